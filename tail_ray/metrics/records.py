@@ -1,0 +1,54 @@
+"""Metric records that leave every worker (TAIL.md, "Metrics that leave every worker").
+
+Records travel as plain dicts (``to_dict``) so the sink, the service and the database need
+no import of torch or of these classes; ``type`` tells the two kinds apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMetric:
+    """One layer, one step, one worker."""
+
+    job_id: str
+    step: int
+    rank: int
+    layer: str
+    numel: int
+    bits: int
+    density: float
+    raw_bytes: int
+    encoded_bytes: int
+    ratio: float
+    rel_error: float
+    code: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "layer", **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetric:
+    """One step, one worker: traffic and where the time went."""
+
+    job_id: str
+    step: int
+    rank: int
+    world_size: int
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes: int
+    compress_s: float
+    decode_s: float
+    comm_s: float
+    step_s: float
+    loss: float
+    method: str
+    wall_time_s: float  # unix time the step ended
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "step", **asdict(self)}
