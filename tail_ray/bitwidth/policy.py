@@ -110,6 +110,12 @@ class BudgetPolicy:
     def relative_noise(self, name: str) -> float | None:
         return self._noise.get(name)
 
+    def _last_critical_step(self, name: str) -> int:
+        """The last step of the latest critical phase touching ``name`` (-1: none yet)."""
+        return max(
+            self._global_critical_until, self._layer_critical_until.get(name, -1), self.s.warmup_steps - 1
+        )
+
     def phase(self, name: str, step: int) -> Phase:
         if step < self.s.warmup_steps:
             return Phase.WARMUP
@@ -117,10 +123,8 @@ class BudgetPolicy:
             return self._global_phase
         if step <= self._layer_critical_until.get(name, -1):
             return Phase.NORM_JUMP
-        last = max(
-            self._global_critical_until, self._layer_critical_until.get(name, -1), self.s.warmup_steps - 1
-        )
-        if step <= last + self.s.critical_steps:
+        last = self._last_critical_step(name)
+        if last >= 0 and step <= last + self.s.critical_steps:
             return Phase.RECOVERING
         return Phase.STEADY
 
@@ -129,9 +133,7 @@ class BudgetPolicy:
         if phase.is_critical:
             return self.s.critical_factor
         if phase == Phase.RECOVERING:
-            last = max(
-                self._global_critical_until, self._layer_critical_until.get(name, -1), self.s.warmup_steps - 1
-            )
+            last = self._last_critical_step(name)
             frac = (step - last) / max(1, self.s.critical_steps)
             return self.s.critical_factor + (1 - self.s.critical_factor) * min(1.0, max(0.0, frac))
         return 1.0
