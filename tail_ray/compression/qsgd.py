@@ -19,11 +19,9 @@ from tail_ray.bitwidth.stats import relative_errors
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
 from tail_ray.compression.quantize import (
-    _quantize_core,
-    _quantize_ef_core,
     layer_seed,
-    levels_max,
     n_buckets,
+    quantize_finite,
     sum_squares,
 )
 from tail_ray.compression.registry import register_compressor
@@ -69,7 +67,6 @@ class QSGDCompressor:
         self._calls += 1
         records: list[LayerRecord] = []
         extras: list[tuple[float, int | None]] = []
-        lmax = levels_max(self.bits)
         for name, tensor in grads.items():
             g = as_flat_f32(tensor)
             if g.size < max(self.raw_below_numel, 1):
@@ -95,10 +92,7 @@ class QSGDCompressor:
                     rng=self._rng,
                 )[0]
             )
-            if residual is not None:
-                nnz = _quantize_ef_core(g, residual, self.bucket_size, lmax, seed, levels, scales)
-            else:
-                nnz = _quantize_core(g, self.bucket_size, lmax, seed, levels, scales)
+            nnz = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,

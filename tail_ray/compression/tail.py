@@ -31,11 +31,9 @@ from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
 from tail_ray.compression.quantize import (
-    _quantize_core,
-    _quantize_ef_core,
     layer_seed,
-    levels_max,
     n_buckets,
+    quantize_finite,
     sum_squares,
 )
 from tail_ray.compression.registry import register_compressor
@@ -197,11 +195,7 @@ class TailCompressor:
             levels = np.empty(g.size, dtype=np.int8)
             scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
             seed = layer_seed(self._seed, step, name)
-            lmax = levels_max(plan.bits)
-            if residual is not None:
-                nnz = _quantize_ef_core(g, residual, cfg.bucket_size, lmax, seed, levels, scales)
-            else:
-                nnz = _quantize_core(g, cfg.bucket_size, lmax, seed, levels, scales)
+            nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,
