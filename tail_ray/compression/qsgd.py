@@ -58,12 +58,23 @@ class QSGDCompressor:
         self.feedback = ErrorFeedback()
         self._calls = 0
         self._last: list[LayerStats] = []
+        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
 
     @property
     def last_stats(self) -> list[LayerStats]:
         return self._last
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = self.compress_records(grads)
+        payload, costs = encode_payload(records)
+        self._last = [
+            layer_stats(rec, cost, err, nnz)
+            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
+        ]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
+        """The engine's part of ``compress`` (everything but the wire's encoding)."""
         self._calls += 1
         records: list[LayerRecord] = []
         extras: list[tuple[float, int | None]] = []
@@ -105,15 +116,16 @@ class QSGDCompressor:
                 )
             )
             extras.append((rel_error, int(nnz)))
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, (err, nnz) in zip(records, costs, extras, strict=True)
-        ]
-        return payload
+        self._pending = extras
+        return records
 
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}

@@ -158,6 +158,7 @@ class TailCompressor:
         # (one DDP bucket), every layer exactly once per step, so a layer's count is the step.
         self._layer_steps: dict[str, int] = {}
         self._last: list[LayerStats] = []
+        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -170,6 +171,16 @@ class TailCompressor:
 
     # --- sending -------------------------------------------------------------------------
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = self.compress_records(grads)
+        payload, costs = encode_payload(records)
+        self._last = [
+            layer_stats(rec, cost, err, nnz)
+            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
+        ]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
+        """The engine's part of ``compress`` (everything but the wire's encoding)."""
         cfg = self.config
         records: list[LayerRecord] = []
         errors: list[float] = []
@@ -209,16 +220,17 @@ class TailCompressor:
             )
             errors.append(plan.rel_error)
             nnzs.append(int(nnz))
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, err, nnz in zip(records, costs, errors, nnzs, strict=True)
-        ]
-        return payload
+        self._pending = list(zip(errors, nnzs, strict=True))
+        return records
 
     # --- receiving -----------------------------------------------------------------------
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
 
     # --- signals from the hook / trainer ---------------------------------------------------
     def set_lr(self, lr: float) -> None:
