@@ -93,6 +93,10 @@ class BitController:
         self.decisions += 1
         return plan
 
+    def invalidate(self, name: str) -> None:
+        """Forget the layer's plan: the next ``plan`` call decides afresh."""
+        self.plans.pop(name, None)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "plans": {name: asdict(p) for name, p in self.plans.items()},

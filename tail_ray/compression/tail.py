@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # Peers' spread is measured on at most this many elements per layer (a strided view): the
 # estimate only needs to be right to a factor of ~1.5, and this keeps observe_peers cheap.
 _SPREAD_SAMPLE_NUMEL = 16384
+# With error feedback at relative error nu the residual settles at ||e||^2 = nu / (1 - nu) ||g||^2
+# (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once.
+_RESIDUAL_LIMIT = 4.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class TailConfig:
     tau_min: float = 1e-3
     tau_max: float = 0.5
     warmup_steps: int = 20
-    critical_factor: float = 0.25
+    critical_factor: float = 0.5
     critical_steps: int = 50
     lr_drop_ratio: float = 0.8
     norm_jump: float = 2.0
@@ -207,6 +210,10 @@ class TailCompressor:
             scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
             seed = layer_seed(self._seed, step, name)
             nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
+            if residual is not None and float(sum_squares(residual)) > _RESIDUAL_LIMIT * sumsq:
+                # Error feedback is only stable while nu < 1; a residual this large means the
+                # (sampled) estimate was wrong for this layer: decide again on the next step.
+                self.controller.invalidate(name)
             records.append(
                 LayerRecord(
                     name=name,
@@ -240,8 +247,9 @@ class TailCompressor:
     def observe_peers(self, decoded_by_rank: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Between-worker spread of one bucket's decoded gradients -> relative SGD noise per layer.
 
-        r = (1/(W-1)) sum_i ||d_i - mean||^2 / mean_i ||d_i||^2, minus the relative compression
-        noise the decoded gradients already carry (the layer's estimated nu), floored at 0.
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 and mean_sq = mean_i ||d_i||^2 on a strided
+        sample; the policy turns their running averages into the relative SGD noise, minus the
+        compression noise the decoded gradients already carry (see BudgetPolicy.relative_noise).
         """
         world = len(decoded_by_rank)
         if world < 2:
@@ -258,12 +266,9 @@ class TailCompressor:
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
             mean_sq = float(stack.pow(2).sum(dim=1).mean())
-            if not math.isfinite(mean_sq) or mean_sq <= 0:
-                continue
             spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1)
             plan = self.controller.plans.get(name)
-            compression = plan.rel_error if plan is not None else 0.0
-            policy.observe_noise(name, max(0.0, spread / mean_sq - compression))
+            policy.observe_spread(name, spread, mean_sq, plan.rel_error if plan is not None else 0.0)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ def _settings(**over):
         tau_min=1e-3,
         tau_max=0.5,
         warmup_steps=0,
-        critical_factor=0.25,
+        critical_factor=0.5,
         critical_steps=10,
         lr_drop_ratio=0.8,
         norm_jump=2.0,

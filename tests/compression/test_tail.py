@@ -159,3 +159,20 @@ def test_levels_are_within_bits():
         if rec.levels is not None:
             assert np.abs(rec.levels.astype(int)).max() <= levels_max(rec.bits)
             assert math.isfinite(float(rec.scales.sum()))
+
+
+def test_a_wrong_plan_whose_residual_grows_is_redecided_at_once():
+    """Pin a layer to an unstable 2-bit plan (nu ~ 2 > 1): error feedback would then grow the
+    residual without bound; the compressor notices from the residual and decides again."""
+    comp = TailCompressor(TailConfig(seed=0, warmup_steps=0, redecide_every_steps=1000))
+    g = _grads(0)
+    comp.compress(g)
+    plan = comp.controller.plans["fc1.weight"]
+    plan.bits = 2  # as if the sampled estimate had been badly wrong
+    decisions = comp.controller.decisions
+    for step in range(1, 6):
+        comp.compress(_grads(step))
+    assert comp.controller.decisions > decisions
+    assert comp.controller.plans["fc1.weight"].bits > 2
+    e = comp.feedback.buffer("fc1.weight", 128 * 512)
+    assert float(np.sum(e.astype(np.float64) ** 2)) < 4 * float(g["fc1.weight"].pow(2).sum())
