@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Fixed-width bit-packing of small unsigned symbols, and a variable-width bit stream.
 
 Bits are written LSB-first into little-endian bytes. Every reader checks the bytes really

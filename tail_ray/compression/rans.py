@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Static-model rANS entropy coder (numba), 4 interleaved 32-bit states, 16-bit renormalisation.
 
 The model is an order-0 frequency table quantised to ``2**scale_bits`` (scale_bits 10..15) and

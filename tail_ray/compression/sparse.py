@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value,arg-type"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Positions of non-zero levels as gaps: a small slot alphabet (entropy coded) + raw extra bits.
 
 A gap g (zeros before the next non-zero) is sent as u = g + 1 >= 1. Values 1..7 are slots 0..6
