@@ -7,11 +7,10 @@ import pytest
 
 from tail_ray.compression import bitpack, levelcode, rans
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
-from tail_ray.compression.levelcode import Code, decode_levels, encode_levels
+from tail_ray.compression.levelcode import Code, candidate_codes, decode_levels, encode_levels
 from tail_ray.errors import CodecError
 
 RNG = np.random.default_rng(7)
-LEVEL_CODES = (Code.BITPACK, Code.RANS, Code.SPARSE_RANS)
 
 
 def gaussian_levels(n: int, bits: int, sigma: float) -> np.ndarray:
@@ -45,10 +44,11 @@ CASES = {
 def test_chosen_code_is_the_smallest_candidate(case: str) -> None:
     levels, bits = CASES[case]
     chosen, _, body = encode_levels(levels, bits)
-    sizes = {code: len(encode_levels(levels, bits, force=code)[2]) for code in LEVEL_CODES}
+    codes = candidate_codes(bits, levels.size)
+    sizes = {code: len(encode_levels(levels, bits, force=code)[2]) for code in codes}
     assert len(body) == min(sizes.values()), (chosen, sizes)
     assert sizes[chosen] == len(body)
-    for code in LEVEL_CODES:  # every candidate is itself lossless
+    for code in codes:  # every candidate is itself lossless
         _, nnz, forced = encode_levels(levels, bits, force=code)
         out = decode_levels(code, body_array(forced), levels.size, bits, nnz, layer="x")
         assert np.array_equal(out, levels), code
@@ -56,7 +56,7 @@ def test_chosen_code_is_the_smallest_candidate(case: str) -> None:
 
 def test_case_mix_exercises_every_code() -> None:
     chosen = {encode_levels(levels, bits)[0] for levels, bits in CASES.values()}
-    assert chosen == set(LEVEL_CODES)
+    assert chosen == {Code.BITPACK, Code.RANS, Code.RANS_PAIRS, Code.SPARSE_RANS}
 
 
 @pytest.mark.parametrize(("bits", "sigma"), [(2, 0.45), (3, 0.8), (4, 1.5), (6, 5.0), (8, 20.0)])
@@ -75,13 +75,13 @@ def test_sparse_bound_never_exceeds_dense_bound() -> None:
 
 
 def test_iid_sparse_layer_near_its_bound() -> None:
-    # With zeros scattered at random, dense rANS (13-bit model) and sparse gaps both reach the
+    # With zeros scattered at random, dense (pair) rANS and sparse gaps both reach the
     # bound; which one wins by a few bytes does not matter, the size does.
     levels = np.zeros(1 << 19, np.int8)
     where = RNG.random(levels.size) < 0.01
     levels[where] = RNG.choice([-3, -1, 1, 2], int(where.sum()))
     code, nnz, body = encode_levels(levels, 3)
-    assert code in (Code.RANS, Code.SPARSE_RANS) and nnz == int(where.sum())
+    assert code in (Code.RANS_PAIRS, Code.SPARSE_RANS) and nnz == int(where.sum())
     assert len(body) <= 1.01 * sparse_entropy_bound_bytes(levels) + 64
 
 
@@ -115,29 +115,32 @@ def test_frequency_table_round_trips_and_sums(scale: int) -> None:
     assert status == rans.ERR_TABLE
 
 
-def test_corrupted_rans_words_are_detected() -> None:
-    levels = gaussian_levels(30_000, 4, 1.5)
-    _, nnz, body = encode_levels(levels, 4, force=Code.RANS)
+@pytest.mark.parametrize(("bits", "code"), [(4, Code.RANS_PAIRS), (6, Code.RANS)])
+def test_corrupted_rans_words_are_detected(bits: int, code: Code) -> None:
+    levels = gaussian_levels(30_000, bits, 1.5)
+    half = (1 << (bits - 1)) - 1
+    _, nnz, body = encode_levels(levels, bits, force=code)
     detected = 0
     for k in range(40):
         bad = bytearray(body)
         at = len(bad) - 1 - 97 * k
         bad[at] ^= 0x10
         try:
-            out = decode_levels(Code.RANS, body_array(bytes(bad)), levels.size, 4, nnz, layer="l")
+            out = decode_levels(code, body_array(bytes(bad)), levels.size, bits, nnz, layer="l")
         except CodecError as exc:
             assert (exc.layer, exc.field) in {("l", "levels"), ("l", "table")}
             detected += 1
         else:
-            assert out.min() >= -7 and out.max() <= 7
+            assert out.min() >= -half and out.max() <= half
     assert detected >= 38  # the final-state check catches (almost) every flipped word
 
 
-def test_inflated_numel_is_rejected_before_allocating() -> None:
-    levels = gaussian_levels(10_000, 4, 1.5)
-    _, nnz, body = encode_levels(levels, 4, force=Code.RANS)
+@pytest.mark.parametrize(("bits", "code"), [(4, Code.RANS_PAIRS), (6, Code.RANS)])
+def test_inflated_numel_is_rejected_before_allocating(bits: int, code: Code) -> None:
+    levels = gaussian_levels(10_000, bits, 1.5)
+    _, nnz, body = encode_levels(levels, bits, force=code)
     with pytest.raises(CodecError) as err:
-        decode_levels(Code.RANS, body_array(body), 1 << 30, 4, nnz, layer="l")
+        decode_levels(code, body_array(body), 1 << 30, bits, nnz, layer="l")
     assert err.value.field == "numel"
 
 

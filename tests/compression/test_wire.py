@@ -75,7 +75,7 @@ def test_large_layer_round_trips() -> None:
     lv = peaked(1 << 20, 4)
     decoded, costs, _ = roundtrip([quant("big", lv, 4, bucket=512)])
     assert np.array_equal(decoded[0].levels, lv)
-    assert costs[0].code == "rans"
+    assert costs[0].code in ("rans-pairs", "sparse-rans")  # near-equal sizes on iid levels
 
 
 def test_all_zero_layer_costs_almost_nothing() -> None:
