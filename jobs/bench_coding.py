@@ -11,9 +11,11 @@ time np.copyto and torch.clone of a 4 * numel-byte buffer in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
+import constriction
 import numpy as np
 import torch
 
@@ -45,8 +47,42 @@ def synthetic(n: int, bits: int, kind: str, rng: np.random.Generator) -> np.ndar
     return out.reshape(-1)
 
 
+def constriction_row(levels: np.ndarray, bits: int, repeats: int) -> tuple[int, float, float]:
+    """(bytes, encode s, decode s) of constriction's rANS with a Categorical model, for reference."""
+    half = (1 << (bits - 1)) - 1
+    sym = levels.astype(np.int32) + half
+    probs = np.bincount(sym, minlength=2 * half + 1) / sym.size
+    model = constriction.stream.model.Categorical(probs.astype(np.float64), perfect=False)
+
+    def enc() -> np.ndarray:
+        coder = constriction.stream.stack.AnsCoder()
+        coder.encode_reverse(sym, model)
+        return coder.get_compressed()
+
+    compressed = enc()
+    t_enc = best_time_s(enc, repeats)
+
+    def dec() -> np.ndarray:
+        return constriction.stream.stack.AnsCoder(compressed).decode(model, sym.size)
+
+    t_dec = best_time_s(dec, repeats)
+    assert np.array_equal(dec(), sym)
+    return 4 * compressed.size, t_enc, t_dec
+
+
+def print_row(label: str, n: int, code: str, size: int, bound: float, times_s: tuple[float, ...]) -> None:
+    """times_s = (encode, decode, np.copyto, torch.clone), all for the same 4 * n bytes."""
+    t_enc, t_dec, t_np, t_pt = times_s
+    enc, dec, cp_np, cp_pt = (4 * n / t / 1e9 for t in times_s)
+    print(
+        f"{label:<22}{n:>9} {code:<12}{size:>9}{bound:>10.0f}{size / max(bound, 1):>8.4f}"
+        f"{enc:>9.2f}{dec:>9.2f}{cp_np:>8.1f}{cp_pt:>8.1f}"
+        f"{t_pt / t_enc:>7.1%}{t_pt / t_dec:>7.1%}{t_np / t_enc:>7.1%}{t_np / t_dec:>7.1%}"
+    )
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -55,30 +91,28 @@ def main() -> None:
     repeats = 3 if args.quick else 7
     print(
         f"{'layer':<22}{'numel':>9} {'code':<12}{'bytes':>9}{'bound':>10}{'/bound':>8}"
-        f"{'enc GB/s':>9}{'dec GB/s':>9}{'copy np':>8}{'copy pt':>8}{'enc/pt':>7}{'dec/pt':>7}"
+        f"{'enc GB/s':>9}{'dec GB/s':>9}{'copy np':>8}{'copy pt':>8}"
+        f"{'enc/pt':>7}{'dec/pt':>7}{'enc/np':>7}{'dec/np':>7}"
     )
     for n in sizes:
         src = rng.standard_normal(n).astype(np.float32)
-        dst = np.empty_like(src)
-        t_np = best_time_s(lambda: np.copyto(dst, src), repeats)
-        src_t = torch.from_numpy(src)
-        t_pt = best_time_s(lambda: src_t.clone(), repeats)
-        gbs = lambda t: 4 * n / t / 1e9  # noqa: E731
+        t_np = best_time_s(functools.partial(np.copyto, np.empty_like(src), src), repeats)
+        t_pt = best_time_s(torch.from_numpy(src).clone, repeats)
         for kind in ("peaked", "rows"):
             for bits in (2, 3, 4, 6, 8):
                 levels = synthetic(n, bits, kind, rng)
                 code, nnz, body = encode_levels(levels, bits)
                 arr = np.frombuffer(body, np.uint8)
-                t_enc = best_time_s(lambda: encode_levels(levels, bits), repeats)  # noqa: B023
-                t_dec = best_time_s(lambda: decode_levels(code, arr, n, bits, nnz, layer="b"), repeats)  # noqa: B023
-                out = decode_levels(code, arr, n, bits, nnz, layer="b")
-                assert np.array_equal(out, levels)
+                decode = functools.partial(decode_levels, code, arr, n, bits, nnz, layer="bench")
+                t_enc = best_time_s(functools.partial(encode_levels, levels, bits), repeats)
+                t_dec = best_time_s(decode, repeats)
+                assert np.array_equal(decode(), levels)
                 bound = entropy_bound_bytes(levels)
-                print(
-                    f"{kind + f'-{bits}bit':<22}{n:>9} {CODE_NAMES[code]:<12}{len(body):>9}{bound:>10.0f}"
-                    f"{len(body) / max(bound, 1):>8.4f}{gbs(t_enc):>9.2f}{gbs(t_dec):>9.2f}"
-                    f"{gbs(t_np):>8.1f}{gbs(t_pt):>8.1f}{t_pt / t_enc:>7.1%}{t_pt / t_dec:>7.1%}"
-                )
+                times_s = (t_enc, t_dec, t_np, t_pt)
+                print_row(f"{kind}-{bits}bit", n, CODE_NAMES[code], len(body), bound, times_s)
+                if kind == "peaked" and bits == 4:
+                    size, c_enc, c_dec = constriction_row(levels, bits, repeats)
+                    print_row("  constriction ref", n, "ans-categ", size, bound, (c_enc, c_dec, t_np, t_pt))
 
 
 if __name__ == "__main__":

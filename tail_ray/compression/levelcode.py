@@ -52,6 +52,8 @@ CODE_NAMES = {
     Code.RANS_PAIRS: "rans-pairs",
 }
 PAIR_MAX_BITS = 4  # (2L + 1)**2 <= 225 pair symbols fit a byte
+# Sparse coding must save at least this share of the dense entropy code's size to be chosen.
+SPARSE_MIN_GAIN = 0.01
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("tail_ray's level coder views int8 pairs as uint16: it needs a little-endian host")
@@ -169,28 +171,31 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     n = int(lv.size)
     counts = np.zeros(2 * half + 1, dtype=np.int64)
     slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
-    nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
+    pair_syms = pair_counts = None
+    if bits <= PAIR_MAX_BITS:
+        nnz, extra_bits, pair_syms, pair_counts = pairs.pair_level_stats(lv, half, counts, slot_counts)
+    else:
+        nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
     if nnz < 0:
         lo, hi = int(lv.min()), int(lv.max())
-        raise CodecError(
-            f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels"
-        )
+        raise CodecError(f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels")
     nnz = int(nnz)
 
     width = pack_width(bits)
     candidates: dict[Code, float] = {Code.BITPACK: float(bitpack.packed_bytes(n, width))}
     dense_model = _build_model(counts) if n else None
-    pair_syms = pair_freqs = None
+    pair_freqs = None
     pair_scale = 0
-    if dense_model is not None and bits <= PAIR_MAX_BITS:
+    if dense_model is not None and pair_counts is not None:
         # Small alphabets code two levels per step (twice the speed, same order-0 size).
         pair_scale = pairs.pair_scale_bits(dense_model.scale_bits)
         status, pair_freqs = pairs.product_freqs(dense_model.freqs, dense_model.scale_bits, pair_scale)
-        _, pair_syms, pair_counts = pairs.pair_symbols(lv, half)
         if status == 0:
             est = rans.cost_bits(pair_counts, pair_freqs, pair_scale)
             words = math.ceil(est / 16) + rans.STATE_WORDS
             candidates[Code.RANS_PAIRS] = dense_model.table_bytes + 2 * words
+        else:  # no valid pair table at this precision: code single levels
+            candidates[Code.RANS] = dense_model.est_stream_bytes
     elif dense_model is not None:
         candidates[Code.RANS] = dense_model.est_stream_bytes
     slot_model = level_model = None
@@ -246,6 +251,11 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     # length under the very table that is used, plus the table's exact size, and the real
     # stream lands within ~0.1% + 8 bytes of it. A real entropy body larger than bit-pack
     # falls back to bit-pack, so the result is never worse than the dense fixed-width code.
+    dense_est = min(candidates.get(Code.RANS, math.inf), candidates.get(Code.RANS_PAIRS, math.inf))
+    if Code.SPARSE_RANS in candidates and candidates[Code.SPARSE_RANS] > dense_est * (1 - SPARSE_MIN_GAIN):
+        # A near-tie (typical when zeros are scattered at random) goes to the dense code: it
+        # is several times faster at high density and within SPARSE_MIN_GAIN of the size.
+        del candidates[Code.SPARSE_RANS]
     for code, _est in sorted(candidates.items(), key=lambda kv: kv[1]):
         body = build(code)
         if body is not None and (code == Code.BITPACK or len(body) <= candidates[Code.BITPACK]):

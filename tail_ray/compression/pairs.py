@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.sparse import _slot
+
 MAX_PAIR_SCALE_BITS = 14
 ERR_PAIR_TABLE = -1
 
@@ -85,3 +87,83 @@ def pair_values(half: int) -> np.ndarray:
     a = 2 * half + 1
     lv = (np.arange(a) - half).astype(np.int8).view(np.uint8).astype(np.uint16)
     return (lv[:, None] | (lv[None, :] << 8)).reshape(-1).astype(np.uint16)
+
+
+@njit(cache=True, nogil=True)
+def pair_level_stats(
+    levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
+) -> tuple[int, int, np.ndarray, np.ndarray]:  # pragma: no cover - jit
+    """``sparse.level_stats`` and ``pair_symbols`` fused in one pass over the levels.
+
+    Returns (nnz or -1 for a level outside [-L, L], extra_bits, pair symbols, pair histogram)
+    and fills the single-level ``counts`` (the pair histogram's marginals) and ``slot_counts``.
+    """
+    n = levels.size
+    a = 2 * half + 1
+    n2 = (n + 1) // 2
+    syms = np.empty(n2, dtype=np.uint8)
+    h = np.zeros((2, a * a), dtype=np.int64)
+    g = np.zeros((4, 8), dtype=np.int64)  # small-gap slots 0..6; 7 = zero or large gap (ignored)
+    for s in range(slot_counts.size):
+        slot_counts[s] = 0
+    last = -1
+    extra_bits = 0
+    bad = False
+    n4 = n - (n & 3)
+    for i in range(0, n4, 4):
+        last_in = last
+        big = False
+        for p in range(2):
+            j = i + 2 * p
+            x = np.int64(levels[j]) + half
+            y = np.int64(levels[j + 1]) + half
+            bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
+            s = x * a + y
+            s = s if 0 <= s < a * a else 0
+            syms[j >> 1] = s
+            h[p, s] += 1
+        for k in range(4):
+            j = i + k
+            nz = levels[j] != 0
+            u = j - last
+            t = u - 1 if u < 8 else 7
+            g[k, t if nz else 7] += 1
+            big |= nz & (u >= 8)
+            last = j if nz else last
+        if big:  # rare for dense layers: count this group's large gaps exactly, off the hot path
+            last = last_in
+            for j in range(i, i + 4):
+                if levels[j] != 0:
+                    if j - last >= 8:
+                        sl, nx, _ = _slot(j - last)
+                        slot_counts[sl] += 1
+                        extra_bits += nx
+                    last = j
+    for j in range(n4, n):
+        if levels[j] != 0:
+            sl, nx, _ = _slot(j - last)
+            slot_counts[sl] += 1
+            extra_bits += nx
+            last = j
+    for j in range(n4, n, 2):  # the last one or two pairs; an odd last level pairs with itself
+        x = np.int64(levels[j]) + half
+        y = np.int64(levels[j + 1]) + half if j + 1 < n else x
+        bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
+        s = x * a + y
+        s = s if 0 <= s < a * a else 0
+        syms[j >> 1] = s
+        h[0, s] += 1
+    if bad:
+        return -1, 0, syms, h[0]
+    pc = h[0] + h[1]
+    for v in range(a):
+        counts[v] = 0
+    for x in range(a):
+        for y in range(a):
+            counts[x] += pc[x * a + y]
+            counts[y] += pc[x * a + y]
+    if n & 1:
+        counts[np.int64(levels[n - 1]) + half] -= 1  # the padding copy is not a level
+    for t in range(7):
+        slot_counts[t] += g[0, t] + g[1, t] + g[2, t] + g[3, t]
+    return n - counts[half], extra_bits, syms, pc
