@@ -178,7 +178,9 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
         nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
     if nnz < 0:
         lo, hi = int(lv.min()), int(lv.max())
-        raise CodecError(f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels")
+        raise CodecError(
+            f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels"
+        )
     nnz = int(nnz)
 
     width = pack_width(bits)

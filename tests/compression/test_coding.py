@@ -7,7 +7,13 @@ import pytest
 
 from tail_ray.compression import bitpack, levelcode, rans
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
-from tail_ray.compression.levelcode import SPARSE_MIN_GAIN, Code, candidate_codes, decode_levels, encode_levels
+from tail_ray.compression.levelcode import (
+    SPARSE_MIN_GAIN,
+    Code,
+    candidate_codes,
+    decode_levels,
+    encode_levels,
+)
 from tail_ray.errors import CodecError
 
 RNG = np.random.default_rng(7)
