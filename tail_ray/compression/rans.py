@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Static-model rANS entropy coder (numba), 4 interleaved 32-bit states, 16-bit renormalisation.
 
 The model is an order-0 frequency table quantised to ``2**scale_bits`` (scale_bits 10..15) and
@@ -377,19 +379,24 @@ def encode(
 
 
 @njit(cache=True, nogil=True)
-def dec_tables(freqs: np.ndarray, scale_bits: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
-    """Slot -> symbol (uint8) and slot -> freq | (slot - cum) << 16 (uint32); freqs pre-validated."""
+def dec_tables(
+    freqs: np.ndarray, scale_bits: int, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - jit
+    """Slot -> output value (``values[symbol]``) and slot -> freq | (slot - cum) << 16 (uint32).
+
+    ``freqs`` is pre-validated (sums to 2**scale_bits, length <= values.size).
+    """
     m = 1 << scale_bits
-    sym = np.empty(m, dtype=np.uint8)
+    val = np.empty(m, dtype=values.dtype)
     fb = np.empty(m, dtype=np.uint32)
     cum = 0
     for s in range(freqs.size):
         f = freqs[s]
         for k in range(f):
-            sym[cum + k] = s
+            val[cum + k] = values[s]
             fb[cum + k] = np.uint32(f | (k << 16))
         cum += f
-    return sym, fb
+    return val, fb
 
 
 @njit(cache=True, nogil=True)
@@ -399,10 +406,10 @@ def decode(
     n_words: int,
     freqs: np.ndarray,
     scale_bits: int,
-    offset: int,
+    values: np.ndarray,
     out: np.ndarray,
 ) -> int:  # pragma: no cover - jit
-    """Decode ``out.size`` symbols from ``n_words`` u16le words at ``data[start:]``; store sym - offset.
+    """Decode ``out.size`` symbols from ``n_words`` u16le words at ``data[start:]``; store values[sym].
 
     The caller has checked ``start + 2 * n_words <= data.size``; this re-checks and never reads
     past it. Returns OK or ERR_*.
@@ -410,7 +417,9 @@ def decode(
     n = out.size
     if n_words < STATE_WORDS or start < 0 or start + 2 * n_words > data.size:
         return ERR_TRUNCATED
-    sym, fb = dec_tables(freqs, scale_bits)
+    if freqs.size > values.size:
+        return ERR_TABLE
+    sym, fb = dec_tables(freqs, scale_bits, values)
     mask = (1 << scale_bits) - 1
     b = start
     x0 = (
@@ -445,7 +454,7 @@ def decode(
     n4 = n - (n & 3)
     for i in range(0, n4, 4):
         slot = x0 & mask
-        out[i] = sym[slot] - offset
+        out[i] = sym[slot]
         e = np.int64(fb[slot])
         x0 = (e & 0xFFFF) * (x0 >> scale_bits) + (e >> 16)
         if x0 < RANS_L:
@@ -454,7 +463,7 @@ def decode(
             x0 = (x0 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
             pos += 2
         slot = x1 & mask
-        out[i + 1] = sym[slot] - offset
+        out[i + 1] = sym[slot]
         e = np.int64(fb[slot])
         x1 = (e & 0xFFFF) * (x1 >> scale_bits) + (e >> 16)
         if x1 < RANS_L:
@@ -463,7 +472,7 @@ def decode(
             x1 = (x1 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
             pos += 2
         slot = x2 & mask
-        out[i + 2] = sym[slot] - offset
+        out[i + 2] = sym[slot]
         e = np.int64(fb[slot])
         x2 = (e & 0xFFFF) * (x2 >> scale_bits) + (e >> 16)
         if x2 < RANS_L:
@@ -472,7 +481,7 @@ def decode(
             x2 = (x2 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
             pos += 2
         slot = x3 & mask
-        out[i + 3] = sym[slot] - offset
+        out[i + 3] = sym[slot]
         e = np.int64(fb[slot])
         x3 = (e & 0xFFFF) * (x3 >> scale_bits) + (e >> 16)
         if x3 < RANS_L:
@@ -484,7 +493,7 @@ def decode(
         j = i - n4
         x = x0 if j == 0 else (x1 if j == 1 else x2)
         slot = x & mask
-        out[i] = sym[slot] - offset
+        out[i] = sym[slot]
         e = np.int64(fb[slot])
         x = (e & 0xFFFF) * (x >> scale_bits) + (e >> 16)
         if x < RANS_L:
