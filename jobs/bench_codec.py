@@ -301,6 +301,7 @@ def _controller_report(comps: list[Compressor], cap: Capture) -> dict[str, Any]:
         "decision_cost_share": share_whole,
         "decision_cost_share_of_engine": share_engine,
         "decisions": fresh.controller.decisions,
+        "decisions_whole": whole.controller.decisions,
         "replayed_steps": len(cap.grads),
         "agreement_rate": agree / total if total else float("nan"),
         "agreement_trials": total,
@@ -348,7 +349,7 @@ def print_report(res: dict[str, Any]) -> None:
         print(
             f"tail controller: decision cost {ctl['decision_cost_share']:.2%} of compress time,"
             f" {ctl['decision_cost_share_of_engine']:.2%} of the engine's part (wire encoding excluded;"
-            f" {ctl['decisions']} decisions over"
+            f" {ctl['decisions']} / {ctl['decisions_whole']} decisions over"
             f" {ctl['replayed_steps']} replayed steps); sampled-vs-exact agreement"
             f" {ctl['agreement_rate']:.1%} of {ctl['agreement_trials']} decisions"
         )

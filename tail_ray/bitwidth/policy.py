@@ -130,6 +130,16 @@ class BudgetPolicy:
             self._layer_critical_until[name] = step + max(1, self.s.critical_steps // 5)
         return jumped
 
+    def smoothed_norm(self, name: str) -> float | None:
+        """Short running average of the layer's gradient norm (~3 steps), None if unseen."""
+        st = self._log_norm.get(name)
+        return None if st is None else math.exp(st[0])
+
+    def typical_norm(self, name: str) -> float | None:
+        """Long running average of the layer's gradient norm (~20 steps), None if unseen."""
+        st = self._log_norm.get(name)
+        return None if st is None else math.exp(st[1])
+
     # --- decisions -----------------------------------------------------------------------
     def relative_noise(self, name: str) -> float | None:
         """r, the relative SGD noise of one worker's gradient, or None before any all-gather.
