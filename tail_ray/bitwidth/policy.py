@@ -4,8 +4,8 @@ Rule (no per-model knob): keep each worker's compression noise a fixed fraction 
 SGD already has. After an all-gather every worker holds every worker's gradient, so the
 spread between them is a free per-layer estimate of the mini-batch noise:
 
-    spread = (1/(W-1)) sum_i ||d_i - mean d||^2,  mean_sq = mean_i ||d_i||^2
-    r = spread / mean_sq, corrected for the compression noise the decoded d_i carry
+    spread = (1/(W-1)) sum_i ||d_i - mean d||^2   (between-worker variance)
+    r = (spread - what compression put into the d_i) / ||g||^2
     tau = clip(noise_fraction * r * phase_factor, tau_min, tau_max)
 
 (d_i are the decoded peers' gradients; see ``relative_noise`` for the correction, so
@@ -91,14 +91,17 @@ class BudgetPolicy:
             self._global_critical_until = step + self.s.critical_steps
             self._global_phase = Phase.LR_DROP
 
-    def observe_spread(self, name: str, spread: float, mean_sq: float, compression_nu: float) -> None:
-        """One all-gather's between-worker spread of a layer (see the module docstring).
+    def observe_spread(self, name: str, spread: float, compression: float, grad_sq: float) -> None:
+        """One all-gather's measurement for a layer, all per element and per worker:
 
-        Running averages of ``spread`` and ``mean_sq`` are kept separately (a ratio of
-        averages is far steadier than an average of ratios with two workers).
+        spread: the between-worker variance of the decoded gradients;
+        compression: the part of it compression explains (see ``relative_noise``);
+        grad_sq: this worker's mean squared gradient.
+        Running averages are kept separately: a ratio of averages is far steadier than an
+        average of ratios with two workers.
         """
-        vals = (spread, mean_sq, compression_nu)
-        if not all(math.isfinite(v) and v >= 0 for v in vals) or mean_sq <= 0:
+        vals = (spread, compression, grad_sq)
+        if not all(math.isfinite(v) and v >= 0 for v in vals) or grad_sq <= 0:
             return
         old = self._noise_sums.get(name)
         self._noise_sums[name] = (
@@ -144,15 +147,17 @@ class BudgetPolicy:
     def relative_noise(self, name: str) -> float | None:
         """r, the relative SGD noise of one worker's gradient, or None before any all-gather.
 
-        The decoded gradients carry compression noise too: with per-worker relative
-        compression error nu, E spread / E mean_sq = (r + nu) / (1 + nu), so
-        r = ratio * (1 + nu) - nu, floored at 0.
+        The decoded gradients d_i = Q(g_i + e_i) differ between workers by SGD noise AND by
+        what compression put there: the residual e_i each worker added (independent across
+        workers) and this step's rounding noise nu ||g_i + e_i||^2. The caller measures
+        the latter from its own residual and nu; r = (spread - compression) / ||g||^2,
+        floored at 0.
         """
         sums = self._noise_sums.get(name)
         if sums is None:
             return None
-        spread, mean_sq, nu = sums
-        return max(0.0, spread / mean_sq * (1 + nu) - nu)
+        spread, compression, grad_sq = sums
+        return max(0.0, (spread - compression) / grad_sq)
 
     def _last_critical_step(self, name: str) -> int:
         """The last step of the latest critical phase touching ``name`` (-1: none yet)."""

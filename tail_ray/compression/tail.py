@@ -58,7 +58,9 @@ class TailConfig:
 
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
-    raw_below_numel: layers smaller than this go raw fp32 (not worth a header).
+    raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
+        header). 1024, not a few thousand: a classifier head of ~1K elements sent raw is a
+        quarter of a 15x payload (digits_cnn's fc2.weight).
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
@@ -74,7 +76,7 @@ class TailConfig:
 
     candidate_bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
     bucket_size: int = 512
-    raw_below_numel: int = 4096
+    raw_below_numel: int = 1024
     sample_numel: int | None = 4096
     redecide_every_steps: int = 20
     norm_drift: float = 1.0
@@ -163,6 +165,7 @@ class TailCompressor:
         self._layer_steps: dict[str, int] = {}
         self._last: list[LayerStats] = []
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
+        self._grad_sq: dict[str, float] = {}  # latest mean squared gradient per layer
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -199,7 +202,9 @@ class TailCompressor:
                 nnzs.append(None)
                 continue
             sumsq = float(sum_squares(g))
-            if not math.isfinite(sumsq):
+            if math.isfinite(sumsq):
+                self._grad_sq[name] = sumsq / g.size
+            else:
                 warn_nonfinite(name)
                 records.append(raw_record(name, g))
                 errors.append(0.0)
@@ -252,9 +257,10 @@ class TailCompressor:
     def observe_peers(self, decoded_by_rank: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Between-worker spread of one bucket's decoded gradients -> relative SGD noise per layer.
 
-        spread = (1/(W-1)) sum_i ||d_i - mean||^2 and mean_sq = mean_i ||d_i||^2 on a strided
-        sample; the policy turns their running averages into the relative SGD noise, minus the
-        compression noise the decoded gradients already carry (see BudgetPolicy.relative_noise).
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample, minus what
+        compression put into the d_i (residuals + rounding noise, estimated from this worker's
+        own residual and nu), over this worker's ||g||^2 per element: the relative SGD noise
+        (see BudgetPolicy.relative_noise).
         """
         world = len(decoded_by_rank)
         if world < 2:
@@ -270,10 +276,21 @@ class TailCompressor:
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
-            mean_sq = float(stack.pow(2).sum(dim=1).mean())
-            spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1)
+            n_sample = stack.shape[1]
+            spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1) / n_sample
+            own = self._grad_sq.get(name)
             plan = self.controller.plans.get(name)
-            policy.observe_spread(name, spread, mean_sq, plan.rel_error if plan is not None else 0.0)
+            if own is None or plan is None:
+                # Nothing compressed here yet: all of the spread is taken as SGD noise.
+                mean_sq = float(stack.pow(2).sum(dim=1).mean()) / n_sample
+                policy.observe_spread(name, spread, 0.0, mean_sq)
+                continue
+            e_sq = 0.0
+            if self.config.error_feedback and name in self.feedback:
+                e = self.feedback.buffer(name, first.numel())
+                e_sq = float(sum_squares(e)) / e.size  # this worker's residual as a proxy for all
+            compression = e_sq + plan.rel_error * (own + e_sq)
+            policy.observe_spread(name, spread, compression, own)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ def _policy(**over) -> BudgetPolicy:
 
 def _noise(p: BudgetPolicy, name: str, r: float) -> None:
     """Feed a spread measurement whose relative SGD noise is r (no compression noise)."""
-    p.observe_spread(name, r, 1.0, 0.0)
+    p.observe_spread(name, r, 0.0, 1.0)
 
 
 def test_tight_in_warmup_then_loosens():
@@ -68,12 +68,13 @@ def test_norm_jump_tightens_only_that_layer_and_ignores_single_spikes():
 
 def test_noise_estimate_removes_the_compression_noise_it_carries():
     p = _policy()
-    # Decoded peers with relative SGD noise r and compression noise nu: spread/mean_sq = (r+nu)/(1+nu).
-    r, nu = 0.3, 0.2
-    p.observe_spread("w", (r + nu) / (1 + nu), 1.0, nu)
-    assert p.relative_noise("w") == pytest.approx(r)
+    # Spread 0.5 per element, of which compression explains 0.2; ||g||^2 per element 1.5.
+    p.observe_spread("w", 0.5, 0.2, 1.5)
+    assert p.relative_noise("w") == pytest.approx(0.2)
     p2 = _policy()
-    p2.observe_spread("w", 0.1, 1.0, 0.5)  # spread below what compression alone explains
+    p2.observe_spread("w", 0.1, 0.3, 1.0)  # spread below what compression alone explains
+    assert p2.relative_noise("w") == 0.0
+    p2.observe_spread("w", float("nan"), 0.3, 1.0)  # ignored, not poisoning the average
     assert p2.relative_noise("w") == 0.0
 
 
