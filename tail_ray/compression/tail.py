@@ -165,7 +165,7 @@ class TailCompressor:
         self._layer_steps: dict[str, int] = {}
         self._last: list[LayerStats] = []
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
-        self._grad_sq: dict[str, float] = {}  # latest mean squared gradient per layer
+        self._compression_sq: dict[str, float] = {}  # latest compression noise per element
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -202,9 +202,7 @@ class TailCompressor:
                 nnzs.append(None)
                 continue
             sumsq = float(sum_squares(g))
-            if math.isfinite(sumsq):
-                self._grad_sq[name] = sumsq / g.size
-            else:
+            if not math.isfinite(sumsq):
                 warn_nonfinite(name)
                 records.append(raw_record(name, g))
                 errors.append(0.0)
@@ -215,6 +213,11 @@ class TailCompressor:
             levels = np.empty(g.size, dtype=np.int8)
             scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
             seed = layer_seed(self._seed, step, name)
+            # What compression adds to this worker's decoded gradient, for observe_peers: the
+            # residual it carries in (before this step rewrites it) plus the rounding noise
+            # nu ||g + e||^2 (cross term ~0), per element. One extra read of e, in cache.
+            e_sq = float(sum_squares(residual)) if residual is not None else 0.0
+            self._compression_sq[name] = (e_sq + plan.rel_error * (sumsq + e_sq)) / g.size
             nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
             # Against the larger of this step's and the typical (long-average) ||g||^2: small-batch
             # gradient norms swing 2x from step to step, a runaway residual grows without end.
@@ -258,9 +261,10 @@ class TailCompressor:
         """Between-worker spread of one bucket's decoded gradients -> relative SGD noise per layer.
 
         spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample, minus what
-        compression put into the d_i (residuals + rounding noise, estimated from this worker's
-        own residual and nu), over this worker's ||g||^2 per element: the relative SGD noise
-        (see BudgetPolicy.relative_noise).
+        compression put into the d_i (the residual carried in + rounding noise, measured on
+        this worker's own last compress as a proxy for every worker's), over the workers'
+        mean ||d_i||^2 less that same compression part: the relative SGD noise (see
+        BudgetPolicy.relative_noise).
         """
         world = len(decoded_by_rank)
         if world < 2:
@@ -278,19 +282,13 @@ class TailCompressor:
                 continue
             n_sample = stack.shape[1]
             spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1) / n_sample
-            own = self._grad_sq.get(name)
-            plan = self.controller.plans.get(name)
-            if own is None or plan is None:
-                # Nothing compressed here yet: all of the spread is taken as SGD noise.
-                mean_sq = float(stack.pow(2).sum(dim=1).mean()) / n_sample
-                policy.observe_spread(name, spread, 0.0, mean_sq)
-                continue
-            e_sq = 0.0
-            if self.config.error_feedback and name in self.feedback:
-                e = self.feedback.buffer(name, first.numel())
-                e_sq = float(sum_squares(e)) / e.size  # this worker's residual as a proxy for all
-            compression = e_sq + plan.rel_error * (own + e_sq)
-            policy.observe_spread(name, spread, compression, own)
+            mean_sq = float(stack.pow(2).sum(dim=1).mean()) / n_sample
+            # Nothing compressed here yet: all of the spread is taken as SGD noise.
+            compression = self._compression_sq.get(name, 0.0)
+            # The gradient power from all workers (decoded minus compression), not just this
+            # one's: late in training single misclassified samples make one worker's gradient
+            # 1000x another's for a step.
+            policy.observe_spread(name, spread, compression, mean_sq - compression)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
