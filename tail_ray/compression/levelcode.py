@@ -120,19 +120,11 @@ class _Model:
 
 def _build_model(counts: np.ndarray) -> _Model:
     """Pick the precision (scale bits) that minimises table + estimated words."""
-    used = int(np.count_nonzero(counts))
-    lo_scale = max(rans.MIN_SCALE_BITS, math.ceil(math.log2(max(used, 1))) + 2)
-    best: _Model | None = None
-    # Up to 13 bits the decode tables stay in L1; more buys < 0.1% on peaked histograms.
-    for scale in range(min(lo_scale, 13), 14):
-        freqs = np.zeros(counts.size, dtype=np.int64)
-        rans.quantize_freqs(counts, scale, freqs)
-        table = 1 + (int(rans.table_bits(freqs)) + 7) // 8
-        est = table + 2 * (math.ceil(rans.cost_bits(counts, freqs, scale) / 16) + rans.STATE_WORDS)
-        if best is None or est < best.est_stream_bytes:
-            best = _Model(scale, freqs, table, est)
-    assert best is not None
-    return best
+    freqs = np.zeros(counts.size, dtype=np.int64)
+    scale, table, est = rans.build_model(counts, freqs)
+    if scale < 0:  # pragma: no cover - more used symbols than 2**13 slots cannot happen (<= 256)
+        raise CodecError("no frequency table fits this alphabet", field="table")
+    return _Model(int(scale), freqs, int(table), float(est))
 
 
 def _min_cost_bits(freqs: np.ndarray, scale_bits: int) -> float:
@@ -190,7 +182,7 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     pair_scale = 0
     if dense_model is not None and pair_counts is not None:
         # Small alphabets code two levels per step (twice the speed, same order-0 size).
-        pair_scale = pairs.pair_scale_bits(dense_model.scale_bits)
+        pair_scale = pairs.pair_scale_bits(dense_model.scale_bits, (n + 1) // 2)
         status, pair_freqs = pairs.product_freqs(dense_model.freqs, dense_model.scale_bits, pair_scale)
         if status == 0:
             est = rans.cost_bits(pair_counts, pair_freqs, pair_scale)
@@ -355,7 +347,7 @@ def decode_levels(
         if numel == 0 or bits > PAIR_MAX_BITS:
             raise CodecError(f"rans-pairs code with numel {numel}, bits {bits}", layer=layer, field="code")
         scale, freqs, pos = _read_model(body, 0, size, 2 * half + 1, layer=layer, field="table")
-        pair_scale = pairs.pair_scale_bits(scale)
+        pair_scale = pairs.pair_scale_bits(scale, (numel + 1) // 2)
         status, pair_freqs = pairs.product_freqs(freqs, scale, pair_scale)
         if status < 0:
             raise CodecError("table gives no valid pair model", layer=layer, field="table")

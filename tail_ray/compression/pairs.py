@@ -17,11 +17,17 @@ from numba import njit
 from tail_ray.compression.sparse import _slot
 
 MAX_PAIR_SCALE_BITS = 14
+MIN_PAIR_SCALE_BITS = 12
 ERR_PAIR_TABLE = -1
 
 
-def pair_scale_bits(single_scale_bits: int) -> int:
-    return min(MAX_PAIR_SCALE_BITS, 2 * single_scale_bits)
+def pair_scale_bits(single_scale_bits: int, n_pairs: int) -> int:
+    """Pair table precision: 2**14, less for small layers (building the decode table is O(2**s)).
+
+    Depends only on what the decoder knows (the sent table's scale and numel).
+    """
+    size_bits = max(MIN_PAIR_SCALE_BITS, int(n_pairs).bit_length() + 2)
+    return min(MAX_PAIR_SCALE_BITS, 2 * single_scale_bits, size_bits)
 
 
 @njit(cache=True, nogil=True)
