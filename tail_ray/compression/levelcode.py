@@ -158,8 +158,15 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
     if not 2 <= bits <= 8:
         raise CodecError(f"bits must be 2..8 for quantized levels, got {bits}", field="bits")
-    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     half = half_range(bits)
+    levels = np.asarray(levels)
+    if levels.dtype != np.int8:
+        # A wider integer type would wrap silently in the cast: check the range first.
+        if levels.dtype.kind not in "iu":
+            raise CodecError(f"levels must be integers, got {levels.dtype}", field="levels")
+        if levels.size and (int(levels.min()) < -half or int(levels.max()) > half):
+            raise CodecError(f"levels outside [-{half}, {half}] for bits={bits}", field="levels")
+    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     n = int(lv.size)
     counts = np.zeros(2 * half + 1, dtype=np.int64)
     slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
