@@ -82,6 +82,9 @@ def pack_width(bits: int) -> int:
 
 
 def varint(v: int) -> bytes:
+    """Unsigned LEB128 of ``v`` (0 <= v < 2**63)."""
+    if not 0 <= v < 1 << 63:
+        raise ValueError(f"varint value {v} outside [0, 2**63)")
     out = bytearray()
     while True:
         b = v & 0x7F
