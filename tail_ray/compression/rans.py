@@ -42,8 +42,8 @@ def quantize_freqs(counts: np.ndarray, scale_bits: int, freqs: np.ndarray) -> in
     """Scale ``counts`` to integer ``freqs`` summing to 2**scale_bits, every used symbol >= 1.
 
     Rounds to nearest, then fixes the sum on the largest frequency when the error is small next
-    to it (the usual case), else greedily by the smallest code-length change. Returns the number of used symbols, or
-    ERR_TABLE when more symbols are used than the precision has slots.
+    to it (the usual case), else greedily by the smallest code-length change. Returns the
+    number of used symbols, or ERR_TABLE when more symbols are used than the precision has slots.
     """
     m = 1 << scale_bits
     total = 0
