@@ -1,15 +1,17 @@
 """Per-layer coding of quantized levels: pick the smallest of bit-pack, dense rANS, sparse rANS.
 
-The choice is made on sizes, never on a rule of thumb: bit-pack size is exact; a rANS size is
-the ideal code length under the quantised table that is actually sent plus the table's exact
-size (the real stream is within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy
-body that turns out larger than bit-pack falls back to bit-pack.
+The choice is made on sizes: bit-pack size is exact; a rANS size is the ideal code length
+under the quantised table actually used plus the table's exact size (the real stream is
+within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy body that turns out
+larger than bit-pack falls back to bit-pack. One documented tie-break: sparse rANS must save
+``SPARSE_MIN_GAIN`` (1%) over the dense entropy code, which is several times faster.
 
-Bodies (the container frames them; ``n`` = numel, ``a`` = 2L + 1):
+Bodies (the container frames them; ``a`` = 2L + 1); docs/wire-format.md has the details:
     BITPACK      (level + L) packed at ceil(log2(a)) bits each, LSB-first
-    RANS         table | u16 words (rest of body)                                  see rans.py
+    RANS         table | u16 words (rest of body)                                   rans.py
+    RANS_PAIRS   table | u16 words of ceil(n/2) pair symbols (bits 2..4)            pairs.py
     SPARSE_RANS  (only when nnz > 0) slot table | level table | varint n_slot_words | slot words
-                 | varint n_level_words | level words | extra gap bits (rest)      see sparse.py
+                 | varint n_level_words | level words | extra gap bits (rest)       sparse.py
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tail_ray.compression import bitpack, pairs, rans, sparse
 from tail_ray.errors import CodecError
 
 # A stream may claim at most this many symbols per bit actually present, relative to its
-# model's cheapest symbol (see ``_check_capacity``): the encoder guarantees it, the decoder
+# model's cheapest symbol (see ``_capacity_ok``): the encoder guarantees it, the decoder
 # rejects anything more before allocating.
 _CAPACITY_FACTOR = 2.0
 _CAPACITY_SLACK_BITS = 256.0
@@ -34,7 +36,7 @@ _CAPACITY_SLACK_BITS = 256.0
 
 class Code(IntEnum):
     RAW = 0  # the values' own bytes (RAW_F32 / RAW_F16 / legacy)
-    INT8 = 1  # levels as one byte each (version-1 payloads; no longer produced)
+    INT8 = 1  # reserved: version-1 levels as one byte each (never produced, never accepted)
     BITPACK = 2
     RANS = 3
     SPARSE_RANS = 4
