@@ -73,6 +73,11 @@ def _pair_values(half: int) -> np.ndarray:
     return pairs.pair_values(half)
 
 
+@functools.cache
+def _symbol_pair_values(alphabet: int) -> np.ndarray:
+    return pairs.symbol_pair_values(alphabet)
+
+
 def half_range(bits: int) -> int:
     """L = 2**(bits-1) - 1: levels lie in [-L, L]. bits=1 has no non-zero level and is rejected."""
     return (1 << (bits - 1)) - 1
@@ -236,10 +241,17 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
         assert slot_model is not None and level_model is not None
         slots, syms, extra = sparse.split_levels(lv, half, nnz, extra_bits)
         w_slot, nw_slot = _words(slots, 0, slot_model.freqs, slot_model.scale_bits)
-        w_lvl, nw_lvl = _words(syms, 0, level_model.freqs, level_model.scale_bits)
+        lvl_syms, lvl_freqs, lvl_scale = syms, level_model.freqs, level_model.scale_bits
+        if bits <= PAIR_MAX_BITS:  # non-zero levels go two per step, as in rans-pairs
+            lvl_scale = pairs.pair_scale_bits(level_model.scale_bits, (nnz + 1) // 2)
+            status, lvl_freqs = pairs.product_freqs(level_model.freqs, level_model.scale_bits, lvl_scale)
+            if status < 0:
+                return None
+            lvl_syms, _ = pairs.pair_up(syms, 2 * half)
+        w_lvl, nw_lvl = _words(lvl_syms, 0, lvl_freqs, lvl_scale)
         if not (
             _capacity_ok(nnz, slot_model.freqs, slot_model.scale_bits, nw_slot)
-            and _capacity_ok(nnz, level_model.freqs, level_model.scale_bits, nw_lvl)
+            and _capacity_ok(int(lvl_syms.size), lvl_freqs, lvl_scale, nw_lvl)
         ):
             return None
         parts = (_table(slot_model), _table(level_model), varint(nw_slot), w_slot, varint(nw_lvl), w_lvl)
@@ -403,20 +415,32 @@ def decode_levels(
             raise CodecError(f"level stream claims {nw_lvl} words", layer=layer, field="level_words")
         lvl_start = pos
         pos += 2 * nw_lvl
-        for freqs, scale, nw, what in (
-            (s_freqs, s_scale, nw_slot, "slot_words"),
-            (l_freqs, l_scale, nw_lvl, "level_words"),
+        n_lvl = nnz
+        lvl_values = _IDENTITY
+        if bits <= PAIR_MAX_BITS:  # non-zero levels were coded two per step
+            n_lvl = (nnz + 1) // 2
+            pair_scale = pairs.pair_scale_bits(l_scale, n_lvl)
+            status, l_freqs = pairs.product_freqs(l_freqs, l_scale, pair_scale)
+            if status < 0:
+                raise CodecError("level table gives no valid pair model", layer=layer, field="level_table")
+            l_scale = pair_scale
+            lvl_values = _symbol_pair_values(2 * half)
+        for freqs, scale, count, nw, what in (
+            (s_freqs, s_scale, nnz, nw_slot, "slot_words"),
+            (l_freqs, l_scale, n_lvl, nw_lvl, "level_words"),
         ):
-            if not _capacity_ok(nnz, freqs, scale, nw):
+            if not _capacity_ok(count, freqs, scale, nw):
                 raise CodecError(f"nnz {nnz} cannot come from {nw} words", layer=layer, field=what)
         slots = np.empty(nnz, dtype=np.uint8)
         _decode_stream(
             body, slot_start, nw_slot, s_freqs, s_scale, _IDENTITY, slots, layer=layer, field="slots"
         )
-        syms = np.empty(nnz, dtype=np.uint8)
+        sym_buf = np.empty(2 * n_lvl if bits <= PAIR_MAX_BITS else nnz, dtype=np.uint8)
+        lvl_out: np.ndarray = sym_buf.view(np.uint16) if bits <= PAIR_MAX_BITS else sym_buf
         _decode_stream(
-            body, lvl_start, nw_lvl, l_freqs, l_scale, _IDENTITY, syms, layer=layer, field="levels"
+            body, lvl_start, nw_lvl, l_freqs, l_scale, lvl_values, lvl_out, layer=layer, field="levels"
         )
+        syms = sym_buf[:nnz]
         idx = np.empty(nnz, dtype=np.int64)
         used = sparse.positions(slots, body, pos, size, numel, idx)
         if used == sparse.ERR_EXTRA_TRUNCATED:
