@@ -1,15 +1,17 @@
 """Per-layer coding of quantized levels: pick the smallest of bit-pack, dense rANS, sparse rANS.
 
-The choice is made on sizes, never on a rule of thumb: bit-pack size is exact; a rANS size is
-the ideal code length under the quantised table that is actually sent plus the table's exact
-size (the real stream is within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy
-body that turns out larger than bit-pack falls back to bit-pack.
+The choice is made on sizes: bit-pack size is exact; a rANS size is the ideal code length
+under the quantised table actually used plus the table's exact size (the real stream is
+within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy body that turns out
+larger than bit-pack falls back to bit-pack. One documented tie-break: sparse rANS must save
+``SPARSE_MIN_GAIN`` (1%) over the dense entropy code, which is several times faster.
 
-Bodies (the container frames them; ``n`` = numel, ``a`` = 2L + 1):
+Bodies (the container frames them; ``a`` = 2L + 1); docs/wire-format.md has the details:
     BITPACK      (level + L) packed at ceil(log2(a)) bits each, LSB-first
-    RANS         table | u16 words (rest of body)                                  see rans.py
+    RANS         table | u16 words (rest of body)                                   rans.py
+    RANS_PAIRS   table | u16 words of ceil(n/2) pair symbols (bits 2..4)            pairs.py
     SPARSE_RANS  (only when nnz > 0) slot table | level table | varint n_slot_words | slot words
-                 | varint n_level_words | level words | extra gap bits (rest)      see sparse.py
+                 | varint n_level_words | level words | extra gap bits (rest)       sparse.py
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tail_ray.compression import bitpack, pairs, rans, sparse
 from tail_ray.errors import CodecError
 
 # A stream may claim at most this many symbols per bit actually present, relative to its
-# model's cheapest symbol (see ``_check_capacity``): the encoder guarantees it, the decoder
+# model's cheapest symbol (see ``_capacity_ok``): the encoder guarantees it, the decoder
 # rejects anything more before allocating.
 _CAPACITY_FACTOR = 2.0
 _CAPACITY_SLACK_BITS = 256.0
@@ -34,7 +36,7 @@ _CAPACITY_SLACK_BITS = 256.0
 
 class Code(IntEnum):
     RAW = 0  # the values' own bytes (RAW_F32 / RAW_F16 / legacy)
-    INT8 = 1  # levels as one byte each (version-1 payloads; no longer produced)
+    INT8 = 1  # reserved: version-1 levels as one byte each (never produced, never accepted)
     BITPACK = 2
     RANS = 3
     SPARSE_RANS = 4
@@ -71,6 +73,11 @@ def _pair_values(half: int) -> np.ndarray:
     return pairs.pair_values(half)
 
 
+@functools.cache
+def _symbol_pair_values(alphabet: int) -> np.ndarray:
+    return pairs.symbol_pair_values(alphabet)
+
+
 def half_range(bits: int) -> int:
     """L = 2**(bits-1) - 1: levels lie in [-L, L]. bits=1 has no non-zero level and is rejected."""
     return (1 << (bits - 1)) - 1
@@ -82,6 +89,9 @@ def pack_width(bits: int) -> int:
 
 
 def varint(v: int) -> bytes:
+    """Unsigned LEB128 of ``v`` (0 <= v < 2**63)."""
+    if not 0 <= v < 1 << 63:
+        raise ValueError(f"varint value {v} outside [0, 2**63)")
     out = bytearray()
     while True:
         b = v & 0x7F
@@ -120,19 +130,11 @@ class _Model:
 
 def _build_model(counts: np.ndarray) -> _Model:
     """Pick the precision (scale bits) that minimises table + estimated words."""
-    used = int(np.count_nonzero(counts))
-    lo_scale = max(rans.MIN_SCALE_BITS, math.ceil(math.log2(max(used, 1))) + 2)
-    best: _Model | None = None
-    # Up to 13 bits the decode tables stay in L1; more buys < 0.1% on peaked histograms.
-    for scale in range(min(lo_scale, 13), 14):
-        freqs = np.zeros(counts.size, dtype=np.int64)
-        rans.quantize_freqs(counts, scale, freqs)
-        table = 1 + (int(rans.table_bits(freqs)) + 7) // 8
-        est = table + 2 * (math.ceil(rans.cost_bits(counts, freqs, scale) / 16) + rans.STATE_WORDS)
-        if best is None or est < best.est_stream_bytes:
-            best = _Model(scale, freqs, table, est)
-    assert best is not None
-    return best
+    freqs = np.zeros(counts.size, dtype=np.int64)
+    scale, table, est = rans.build_model(counts, freqs)
+    if scale < 0:  # pragma: no cover - more used symbols than 2**13 slots cannot happen (<= 256)
+        raise CodecError("no frequency table fits this alphabet", field="table")
+    return _Model(int(scale), freqs, int(table), float(est))
 
 
 def _min_cost_bits(freqs: np.ndarray, scale_bits: int) -> float:
@@ -166,8 +168,15 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
     if not 2 <= bits <= 8:
         raise CodecError(f"bits must be 2..8 for quantized levels, got {bits}", field="bits")
-    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     half = half_range(bits)
+    levels = np.asarray(levels)
+    if levels.dtype != np.int8:
+        # A wider integer type would wrap silently in the cast: check the range first.
+        if levels.dtype.kind not in "iu":
+            raise CodecError(f"levels must be integers, got {levels.dtype}", field="levels")
+        if levels.size and (int(levels.min()) < -half or int(levels.max()) > half):
+            raise CodecError(f"levels outside [-{half}, {half}] for bits={bits}", field="levels")
+    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     n = int(lv.size)
     counts = np.zeros(2 * half + 1, dtype=np.int64)
     slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
@@ -190,7 +199,7 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     pair_scale = 0
     if dense_model is not None and pair_counts is not None:
         # Small alphabets code two levels per step (twice the speed, same order-0 size).
-        pair_scale = pairs.pair_scale_bits(dense_model.scale_bits)
+        pair_scale = pairs.pair_scale_bits(dense_model.scale_bits, (n + 1) // 2)
         status, pair_freqs = pairs.product_freqs(dense_model.freqs, dense_model.scale_bits, pair_scale)
         if status == 0:
             est = rans.cost_bits(pair_counts, pair_freqs, pair_scale)
@@ -232,10 +241,17 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
         assert slot_model is not None and level_model is not None
         slots, syms, extra = sparse.split_levels(lv, half, nnz, extra_bits)
         w_slot, nw_slot = _words(slots, 0, slot_model.freqs, slot_model.scale_bits)
-        w_lvl, nw_lvl = _words(syms, 0, level_model.freqs, level_model.scale_bits)
+        lvl_syms, lvl_freqs, lvl_scale = syms, level_model.freqs, level_model.scale_bits
+        if bits <= PAIR_MAX_BITS:  # non-zero levels go two per step, as in rans-pairs
+            lvl_scale = pairs.pair_scale_bits(level_model.scale_bits, (nnz + 1) // 2)
+            status, lvl_freqs = pairs.product_freqs(level_model.freqs, level_model.scale_bits, lvl_scale)
+            if status < 0:
+                return None
+            lvl_syms, _ = pairs.pair_up(syms, 2 * half)
+        w_lvl, nw_lvl = _words(lvl_syms, 0, lvl_freqs, lvl_scale)
         if not (
             _capacity_ok(nnz, slot_model.freqs, slot_model.scale_bits, nw_slot)
-            and _capacity_ok(nnz, level_model.freqs, level_model.scale_bits, nw_lvl)
+            and _capacity_ok(int(lvl_syms.size), lvl_freqs, lvl_scale, nw_lvl)
         ):
             return None
         parts = (_table(slot_model), _table(level_model), varint(nw_slot), w_slot, varint(nw_lvl), w_lvl)
@@ -355,7 +371,7 @@ def decode_levels(
         if numel == 0 or bits > PAIR_MAX_BITS:
             raise CodecError(f"rans-pairs code with numel {numel}, bits {bits}", layer=layer, field="code")
         scale, freqs, pos = _read_model(body, 0, size, 2 * half + 1, layer=layer, field="table")
-        pair_scale = pairs.pair_scale_bits(scale)
+        pair_scale = pairs.pair_scale_bits(scale, (numel + 1) // 2)
         status, pair_freqs = pairs.product_freqs(freqs, scale, pair_scale)
         if status < 0:
             raise CodecError("table gives no valid pair model", layer=layer, field="table")
@@ -399,20 +415,32 @@ def decode_levels(
             raise CodecError(f"level stream claims {nw_lvl} words", layer=layer, field="level_words")
         lvl_start = pos
         pos += 2 * nw_lvl
-        for freqs, scale, nw, what in (
-            (s_freqs, s_scale, nw_slot, "slot_words"),
-            (l_freqs, l_scale, nw_lvl, "level_words"),
+        n_lvl = nnz
+        lvl_values = _IDENTITY
+        if bits <= PAIR_MAX_BITS:  # non-zero levels were coded two per step
+            n_lvl = (nnz + 1) // 2
+            pair_scale = pairs.pair_scale_bits(l_scale, n_lvl)
+            status, l_freqs = pairs.product_freqs(l_freqs, l_scale, pair_scale)
+            if status < 0:
+                raise CodecError("level table gives no valid pair model", layer=layer, field="level_table")
+            l_scale = pair_scale
+            lvl_values = _symbol_pair_values(2 * half)
+        for freqs, scale, count, nw, what in (
+            (s_freqs, s_scale, nnz, nw_slot, "slot_words"),
+            (l_freqs, l_scale, n_lvl, nw_lvl, "level_words"),
         ):
-            if not _capacity_ok(nnz, freqs, scale, nw):
+            if not _capacity_ok(count, freqs, scale, nw):
                 raise CodecError(f"nnz {nnz} cannot come from {nw} words", layer=layer, field=what)
         slots = np.empty(nnz, dtype=np.uint8)
         _decode_stream(
             body, slot_start, nw_slot, s_freqs, s_scale, _IDENTITY, slots, layer=layer, field="slots"
         )
-        syms = np.empty(nnz, dtype=np.uint8)
+        sym_buf = np.empty(2 * n_lvl if bits <= PAIR_MAX_BITS else nnz, dtype=np.uint8)
+        lvl_out: np.ndarray = sym_buf.view(np.uint16) if bits <= PAIR_MAX_BITS else sym_buf
         _decode_stream(
-            body, lvl_start, nw_lvl, l_freqs, l_scale, _IDENTITY, syms, layer=layer, field="levels"
+            body, lvl_start, nw_lvl, l_freqs, l_scale, lvl_values, lvl_out, layer=layer, field="levels"
         )
+        syms = sym_buf[:nnz]
         idx = np.empty(nnz, dtype=np.int64)
         used = sparse.positions(slots, body, pos, size, numel, idx)
         if used == sparse.ERR_EXTRA_TRUNCATED:

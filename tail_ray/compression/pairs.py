@@ -17,11 +17,17 @@ from numba import njit
 from tail_ray.compression.sparse import _slot
 
 MAX_PAIR_SCALE_BITS = 14
+MIN_PAIR_SCALE_BITS = 12
 ERR_PAIR_TABLE = -1
 
 
-def pair_scale_bits(single_scale_bits: int) -> int:
-    return min(MAX_PAIR_SCALE_BITS, 2 * single_scale_bits)
+def pair_scale_bits(single_scale_bits: int, n_pairs: int) -> int:
+    """Pair table precision: 2**14, less for small layers (building the decode table is O(2**s)).
+
+    Depends only on what the decoder knows (the sent table's scale and numel).
+    """
+    size_bits = max(MIN_PAIR_SCALE_BITS, int(n_pairs).bit_length() + 2)
+    return min(MAX_PAIR_SCALE_BITS, 2 * single_scale_bits, size_bits)
 
 
 @njit(cache=True, nogil=True)
@@ -167,3 +173,32 @@ def pair_level_stats(
     for t in range(7):
         slot_counts[t] += g[0, t] + g[1, t] + g[2, t] + g[3, t]
     return n - counts[half], extra_bits, syms, pc
+
+
+@njit(cache=True, nogil=True)
+def pair_up(symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """Pair uint8 symbols (< alphabet, alphabet**2 <= 256): s0 * alphabet + s1, plus the histogram.
+
+    An odd last symbol pairs with itself. Symbols >= alphabet are clamped (callers pass valid
+    symbols; the clamp only keeps the histogram write in bounds).
+    """
+    n = symbols.size
+    n2 = (n + 1) // 2
+    out = np.empty(n2, dtype=np.uint8)
+    h = np.zeros(alphabet * alphabet, dtype=np.int64)
+    top = alphabet - 1
+    for k in range(n2):
+        x = np.int64(symbols[2 * k])
+        x = x if x < top else top
+        y = np.int64(symbols[2 * k + 1]) if 2 * k + 1 < n else x
+        y = y if y < top else top
+        s = x * alphabet + y
+        out[k] = s
+        h[np.uint64(s)] += 1
+    return out, h
+
+
+def symbol_pair_values(alphabet: int) -> np.ndarray:
+    """uint16 output of each pair symbol when the pair stands for two raw uint8 symbols."""
+    a = np.arange(alphabet, dtype=np.uint16)
+    return (a[:, None] | (a[None, :] << 8)).reshape(-1).astype(np.uint16)

@@ -102,9 +102,14 @@ def level_stats(
 def split_levels(
     levels: np.ndarray, half: int, nnz: int, extra_bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - jit
-    """Return (slots u8[nnz], non-zero symbols u8[nnz], extra bits as bytes)."""
-    slots = np.empty(nnz, dtype=np.uint8)
-    syms = np.empty(nnz, dtype=np.uint8)
+    """Return (slots u8[nnz], non-zero symbols u8[nnz], extra bits as bytes).
+
+    Branch-free compaction: every element writes its candidate slot/symbol at index k and k
+    advances only on a non-zero (one spare entry absorbs the writes after the last one).
+    Only large gaps (u >= 8, rare inside dense regions) take a branch.
+    """
+    slots = np.empty(nnz + 1, dtype=np.uint8)
+    syms = np.empty(nnz + 1, dtype=np.uint8)
     extra = np.zeros((extra_bits + 7) // 8 + 8, dtype=np.uint8)
     acc = np.uint64(0)
     nacc = 0
@@ -113,24 +118,28 @@ def split_levels(
     last = -1
     for i in range(levels.size):
         lv = np.int64(levels[i])
-        if lv != 0:
-            sl, nx, xv = _slot(i - last)
-            last = i
-            slots[k] = sl
-            syms[k] = lv + half if lv < 0 else lv + half - 1
-            k += 1
-            if nx:
-                acc |= np.uint64(xv) << np.uint64(nacc)
-                nacc += nx
-                while nacc >= 8:
-                    extra[epos] = np.uint8(acc & np.uint64(0xFF))
-                    acc >>= np.uint64(8)
-                    nacc -= 8
-                    epos += 1
+        nz = lv != 0
+        u = i - last
+        ku = np.uint64(k)
+        syms[ku] = lv + half - (lv > 0)
+        if nz & (u >= 8):
+            sl, nx, xv = _slot(u)
+            slots[ku] = sl
+            acc |= np.uint64(xv) << np.uint64(nacc)
+            nacc += nx
+            while nacc >= 8:
+                extra[epos] = np.uint8(acc & np.uint64(0xFF))
+                acc >>= np.uint64(8)
+                nacc -= 8
+                epos += 1
+        else:
+            slots[ku] = u - 1
+        k += nz
+        last = i if nz else last
     if nacc > 0:
         extra[epos] = np.uint8(acc & np.uint64(0xFF))
         epos += 1
-    return slots, syms, extra[:epos]
+    return slots[:nnz], syms[:nnz], extra[:epos]
 
 
 @njit(cache=True, nogil=True)

@@ -168,3 +168,15 @@ def test_varint_round_trip_and_limits() -> None:
         assert levelcode.read_varint(enc, 0, enc.size, layer=None, field="f") == (v, enc.size)
     with pytest.raises(CodecError):
         levelcode.read_varint(np.full(12, 0x80, np.uint8), 0, 12, layer=None, field="f")
+
+
+@pytest.mark.parametrize("bits", [2, 4, 6])
+@pytest.mark.parametrize("nnz", [1, 2, 201])
+def test_sparse_code_round_trips_odd_and_even_counts(bits: int, nnz: int) -> None:
+    half = (1 << (bits - 1)) - 1
+    levels = np.zeros(30_000, np.int8)
+    where = RNG.choice(levels.size, nnz, replace=False)
+    levels[where] = RNG.choice([-half, -1, 1, half], nnz)
+    code, got_nnz, body = encode_levels(levels, bits, force=Code.SPARSE_RANS)
+    assert got_nnz == nnz
+    assert np.array_equal(decode_levels(code, body_array(body), levels.size, bits, nnz, layer="s"), levels)

@@ -143,6 +143,24 @@ def test_level_outside_range_is_rejected_not_wrapped() -> None:
     assert (err.value.layer, err.value.field) == ("q", "levels")
 
 
+def test_wide_integer_levels_are_range_checked_before_the_int8_cast() -> None:
+    wide = np.array([0, 1, 200], np.int32)  # 200 would wrap to -56, inside [-127, 127]
+    with pytest.raises(CodecError, match="outside") as err:
+        encode_payload([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), wide)])
+    assert err.value.layer == "w"
+    ok = np.array([0, 1, -127], np.int64)
+    decoded, _, _ = roundtrip([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), ok)])
+    assert decoded[0].levels is not None and decoded[0].levels.tolist() == [0, 1, -127]
+
+
+@pytest.mark.parametrize(("bits", "bucket"), [(-1, 0), (256, 0), (0, -5)])
+def test_out_of_range_header_fields_are_codec_errors(bits: int, bucket: int) -> None:
+    rec = LayerRecord("r", 2, Kind.RAW_F32, bits=bits, bucket_size=bucket, values=np.ones(2, np.float32))
+    with pytest.raises(CodecError) as err:
+        encode_payload([rec])
+    assert err.value.layer == "r"
+
+
 def test_wrong_version_and_trailing_bytes_are_codec_errors() -> None:
     payload, _ = encode_payload([quant("q", peaked(100, 3), 3)])
     bad = bytearray(payload)
