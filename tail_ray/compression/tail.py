@@ -209,24 +209,23 @@ class TailCompressor:
                 nnzs.append(None)
                 continue
             residual = self.feedback.buffer(name, g.size) if cfg.error_feedback else None
+            # The residual carried in (one read of e, in cache): for the runaway guard and for
+            # observe_peers' account of what compression put into the decoded gradients.
+            e_sq = float(sum_squares(residual)) if residual is not None else 0.0
+            # Error feedback is only stable while nu < 1; a residual this far above the larger
+            # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
+            # estimate was wrong for this layer: decide again now, on g + e.
+            typical = self.controller.policy.typical_norm(name) or 0.0
+            if e_sq > _RESIDUAL_LIMIT * max(sumsq, typical * typical):
+                self.controller.invalidate(name)
             plan = self.controller.plan(name, g, residual, step, math.sqrt(sumsq))
             levels = np.empty(g.size, dtype=np.int8)
             scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
             seed = layer_seed(self._seed, step, name)
-            # What compression adds to this worker's decoded gradient, for observe_peers: the
-            # residual it carries in (before this step rewrites it) plus the rounding noise
-            # nu ||g + e||^2 (cross term ~0), per element. One extra read of e, in cache.
-            e_sq = float(sum_squares(residual)) if residual is not None else 0.0
+            # Compression's part of this worker's decoded gradient: the residual carried in plus
+            # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
             self._compression_sq[name] = (e_sq + plan.rel_error * (sumsq + e_sq)) / g.size
             nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
-            # Against the larger of this step's and the typical (long-average) ||g||^2: small-batch
-            # gradient norms swing 2x from step to step, a runaway residual grows without end.
-            typical = self.controller.policy.typical_norm(name) or 0.0
-            limit = _RESIDUAL_LIMIT * max(sumsq, typical * typical)
-            if residual is not None and float(sum_squares(residual)) > limit:
-                # Error feedback is only stable while nu < 1; a residual this large means the
-                # (sampled) estimate was wrong for this layer: decide again on the next step.
-                self.controller.invalidate(name)
             records.append(
                 LayerRecord(
                     name=name,
