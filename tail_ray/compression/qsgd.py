@@ -103,7 +103,7 @@ class QSGDCompressor:
                     rng=self._rng,
                 )[0]
             )
-            nnz = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
+            nnz, _ = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,
