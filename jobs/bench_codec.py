@@ -153,7 +153,7 @@ def _warm(method: str, cap: Capture) -> list[Compressor]:
     return comps
 
 
-def bench_model(cap: Capture, min_total_s: float, min_timed_numel: int = 1024) -> dict[str, Any]:
+def bench_model(cap: Capture, min_total_s: float, min_timed_numel: int = 4096) -> dict[str, Any]:
     last = cap.grads[-1][0]  # worker 0's gradients of the last step
     layers = list(last)
     copy_gbs: dict[str, float] = {}

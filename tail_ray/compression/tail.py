@@ -59,8 +59,9 @@ class TailConfig:
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
     raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
-        header). 1024, not a few thousand: a classifier head of ~1K elements sent raw is a
-        quarter of a 15x payload (digits_cnn's fc2.weight).
+        header). 4096 is the project-wide contract; 1024 would also quantize ~1K-element
+        classifier heads (digits_cnn's fc2.weight, a quarter of its payload at 4096: ratio
+        ~12.5x -> ~16x in a 300-step 2-worker digits run).
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
@@ -76,7 +77,7 @@ class TailConfig:
 
     candidate_bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
     bucket_size: int = 512
-    raw_below_numel: int = 1024
+    raw_below_numel: int = 4096
     sample_numel: int | None = 4096
     redecide_every_steps: int = 20
     norm_drift: float = 1.0
