@@ -1,6 +1,6 @@
 # mypy: disable-error-code="assignment,return-value"
 # (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
-"""Fixed-width bit-packing of small unsigned symbols, and a variable-width bit stream.
+"""Fixed-width bit-packing of small unsigned symbols (the ``bitpack`` code).
 
 Bits are written LSB-first into little-endian bytes. Every reader checks the bytes really
 present before it reads (numba does no bounds checks), and reports problems as a negative
@@ -92,30 +92,3 @@ def unpack_fixed(
     if bad:
         return ERR_RANGE
     return 0
-
-
-@njit(cache=True, nogil=True)
-def write_bits(out: np.ndarray, state: np.ndarray, value: int, nbits: int) -> None:  # pragma: no cover
-    """Append ``nbits`` (0..32) low bits of ``value``; ``state`` = [accumulator, n_bits_in_acc, pos]."""
-    acc = np.uint64(state[0]) | (np.uint64(value) << np.uint64(state[1]))
-    nacc = state[1] + nbits
-    pos = state[2]
-    while nacc >= 8:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-        acc >>= np.uint64(8)
-        nacc -= 8
-        pos += 1
-    state[0] = np.int64(acc)
-    state[1] = nacc
-    state[2] = pos
-
-
-@njit(cache=True, nogil=True)
-def flush_bits(out: np.ndarray, state: np.ndarray) -> int:  # pragma: no cover - jit
-    """Write the last partial byte; return the total byte count."""
-    if state[1] > 0:
-        out[state[2]] = np.uint8(state[0] & 0xFF)
-        state[2] += 1
-        state[0] = 0
-        state[1] = 0
-    return int(state[2])

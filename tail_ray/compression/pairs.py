@@ -31,38 +31,6 @@ def pair_scale_bits(single_scale_bits: int, n_pairs: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def pair_symbols(levels: np.ndarray, half: int) -> tuple[int, np.ndarray, np.ndarray]:  # pragma: no cover
-    """(status, pair symbol (l0 + L) * A + (l1 + L) per two levels, pair histogram).
-
-    An odd last level is paired with itself (a pair the model surely has); the decoder drops
-    the copy. Levels outside [-L, L] give status -1.
-    """
-    n = levels.size
-    a = 2 * half + 1
-    n2 = (n + 1) // 2
-    syms = np.empty(n2, dtype=np.uint8)
-    h = np.zeros((2, a * a), dtype=np.int64)
-    bad = False
-    for k in range(n // 2):
-        x = np.int64(levels[2 * k]) + half
-        y = np.int64(levels[2 * k + 1]) + half
-        bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
-        s = x * a + y
-        s = s if 0 <= s < a * a else 0
-        syms[k] = s
-        h[k & 1, s] += 1
-    if n & 1:
-        x = np.int64(levels[n - 1]) + half
-        bad |= (x < 0) | (x >= a)
-        s = x * a + x if 0 <= x < a else 0
-        syms[n2 - 1] = s
-        h[0, s] += 1
-    if bad:
-        return ERR_PAIR_TABLE, syms, h[0]
-    return 0, syms, h[0] + h[1]
-
-
-@njit(cache=True, nogil=True)
 def product_freqs(f1: np.ndarray, scale1: int, scale2: int) -> tuple[int, np.ndarray]:  # pragma: no cover
     """Integer-only pair table summing to 2**scale2 from a single table summing to 2**scale1."""
     a = f1.size
@@ -99,7 +67,7 @@ def pair_values(half: int) -> np.ndarray:
 def pair_level_stats(
     levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
 ) -> tuple[int, int, np.ndarray, np.ndarray]:  # pragma: no cover - jit
-    """``sparse.level_stats`` and ``pair_symbols`` fused in one pass over the levels.
+    """``sparse.level_stats`` plus the pair symbols and their histogram, in one pass.
 
     Returns (nnz or -1 for a level outside [-L, L], extra_bits, pair symbols, pair histogram)
     and fills the single-level ``counts`` (the pair histogram's marginals) and ``slot_counts``.

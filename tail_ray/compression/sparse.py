@@ -216,4 +216,4 @@ def scatter_levels(idx: np.ndarray, syms: np.ndarray, half: int, out: np.ndarray
     """out[idx[k]] = level of non-zero symbol syms[k]; ``idx`` already validated < out.size."""
     for k in range(idx.size):
         s = np.int64(syms[k])
-        out[idx[k]] = s - half if s < half else s - half + 1
+        out[np.uint64(idx[k])] = s - half + (s >= half)  # unsigned index: no wraparound check
