@@ -8,6 +8,7 @@ different buckets altogether.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Iterable, Mapping
@@ -231,7 +232,12 @@ class TailHookState:
         out["local_powersgd_q"] = {k: v.clone() for k, v in self.local_powersgd_q.items()}
         return out
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, residuals: bool = True) -> None:
+        """Restore from ``state_dict()``, matching layers by parameter name.
+
+        ``residuals=False`` (for a resized job): error-feedback residuals are per worker and
+        start from zero; the controller's per-layer state is still restored.
+        """
         if not isinstance(state, Mapping) or "method" not in state:
             raise ConfigError("not a TailHookState checkpoint: expected a mapping from state_dict()")
         if state.get("version") != STATE_VERSION:
@@ -244,10 +250,20 @@ class TailHookState:
                 f"{self.method!r}; register the hook with the checkpoint's method"
             )
         if self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
+            if residuals:
+                self.compressor.load_state_dict(state["compressor"])
+            else:
+                # A compressor that can keep its other state (Tail's controller) while dropping
+                # residuals says so with a `residuals` keyword; qsgd/topk keep only residuals.
+                loader = self.compressor.load_state_dict
+                if "residuals" in inspect.signature(loader).parameters:
+                    loader(state["compressor"], residuals=False)  # type: ignore[call-arg]
         if self.powersgd is not None:
             self.powersgd.iter = int(state["powersgd_iter"])
         self.local_step = int(state["local_step"])
+        if not residuals:
+            self.local_powersgd_error, self.local_powersgd_q = {}, {}
+            return
         self.local_powersgd_error = {k: v.clone() for k, v in state["local_powersgd_error"].items()}
         self.local_powersgd_q = {k: v.clone() for k, v in state["local_powersgd_q"].items()}
 

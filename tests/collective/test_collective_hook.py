@@ -17,6 +17,7 @@ from tail_ray.collective.launch import run_local_group
 from tail_ray.collective.transport import SIZE_BYTES, all_gather_bytes, ring_allreduce_bytes
 from tail_ray.compression import make_compressor
 from tail_ray.compression.wire import _HEADER
+from tail_ray.errors import ConfigError
 
 PAYLOAD_HEADER_BYTES = _HEADER.size
 TIMEOUT_S = 60
@@ -125,74 +126,161 @@ def test_none_gives_the_gradients_of_plain_ddp(tmp_path, use_allgather):
 
 # -- many buckets, every method: same collective order on both ranks ----------------------------
 
-
-def _many_buckets_worker(rank, world_size, out_dir, method, config):
-    torch.manual_seed(0)
-    # 12 layers, bucket_cap_mb tiny: about one bucket per layer, all in flight in one backward.
-    model = nn.Sequential(
-        *[nn.Sequential(nn.Linear(48, 48), nn.Tanh()) for _ in range(12)], nn.Linear(48, 10)
-    )
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
-    state = register_tail_hook(ddp, method, config)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    exchanges = []
-    for step in range(6):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(16, 48, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        exchanges.append(state.drain_metrics().exchanges)
-    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-    torch.save({"params": params, "exchanges": exchanges}, out_dir / f"rank{rank}.pt")
-
-
 MANY_BUCKET_METHODS = [
     ("none", None),
     ("fp16", None),
     ("bf16", None),
     ("powersgd", {"rank": 2}),
+    ("qsgd", {"bits": 8}),
+    ("topk", {"density": 0.05}),
+    ("tail", None),
 ]
 
 
-@pytest.mark.parametrize(("method", "config"), MANY_BUCKET_METHODS, ids=[m for m, _ in MANY_BUCKET_METHODS])
-def test_many_buckets_no_hang_no_mismatch_and_ranks_stay_in_sync(tmp_path, method, config):
+def _many_buckets_worker(rank, world_size, out_dir):
+    # One process pair runs every method in turn (spawning costs seconds on a busy machine).
+    out = {}
+    for method, config in MANY_BUCKET_METHODS:
+        torch.manual_seed(0)
+        # 12 layers >= 4096 elements and a tiny bucket_cap_mb: one bucket per layer or so, all
+        # in flight in one backward.
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(12)], nn.Linear(64, 10)
+        )
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+        state = register_tail_hook(ddp, method, config)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        exchanges = []
+        for step in range(5):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            exchanges.append(state.drain_metrics().exchanges)
+        params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        out[method] = {"params": params, "exchanges": exchanges}
+    torch.save(out, out_dir / f"rank{rank}.pt")
+
+
+def test_many_buckets_every_method_no_hang_no_mismatch_ranks_in_sync(tmp_path):
     # A collective mismatch raises on gloo, a hang hits the group's timeout: both fail here.
-    run_local_group(_many_buckets_worker, 2, (tmp_path, method, config), timeout_s=TIMEOUT_S)
+    run_local_group(_many_buckets_worker, 2, (tmp_path,), timeout_s=2 * TIMEOUT_S)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert r0["exchanges"][-1] >= 10, "the test needs many buckets in flight"
-    # Every rank applied the same averaged gradient at every step, so weights are identical.
-    for name, p in r0["params"].items():
-        assert torch.equal(p, r1["params"][name]), name
+    assert list(r0) == [m for m, _ in MANY_BUCKET_METHODS]
+    for method, res in r0.items():
+        assert res["exchanges"][-1] >= 10, f"{method}: the test needs many buckets in flight"
+        # Every rank applied the same averaged gradient at every step, so weights are identical.
+        for name, p in res["params"].items():
+            assert torch.equal(p, r1[method]["params"][name]), (method, name)
+
+
+# -- tail pinned to 8 bits vs plain DDP: within the analytic bound ------------------------------
+
+
+def _tail8_worker(rank, world_size, out_dir):
+    local = _model()
+    plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    state = register_tail_hook(hooked, "tail", {"candidate_bits": (8,)})
+    steps = []
+    for step in range(4):  # no optimizer step: same weights, residuals carry over steps
+        x, y = _batch(rank, step)
+        for m in (local, plain, hooked):
+            m.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+        steps.append(
+            {
+                "local": _grads(local),
+                "plain": _grads(plain.module),
+                "hooked": _grads(hooked.module),
+                "metrics": state.drain_metrics(),
+            }
+        )
+    torch.save(steps, out_dir / f"rank{rank}.pt")
+
+
+def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(tmp_path):
+    run_local_group(_tail8_worker, 2, (tmp_path,), timeout_s=TIMEOUT_S)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    levels = 2 ** (8 - 1) - 1
+    # TailConfig's raw_below_numel (4096): smaller layers go raw fp32, exactly averaged.
+    quantized = {n for n, g in ranks[0][0]["local"].items() if g.numel() >= 4096}
+    assert quantized == {"0.weight", "2.weight", "4.weight"}
+    for step in range(4):
+        # Per element, stochastic rounding moves a value by less than one step s/L, s the
+        # bucket's max-abs <= the layer's max-abs. The hook applies d_i = g_i + e_i - e_i' with
+        # |e_i|, |e_i'| < s/L (e_i = 0 at step 0), and averages over ranks.
+        for name in ranks[0][step]["plain"]:
+            plain = ranks[0][step]["plain"][name]
+            hooked = ranks[0][step]["hooked"][name]
+            if name not in quantized:
+                torch.testing.assert_close(hooked, plain, rtol=1e-6, atol=1e-7)
+                continue
+            biggest = max(float(r[s]["local"][name].abs().max()) for r in ranks for s in range(step + 1))
+            n_steps_of_error = 1 if step == 0 else 2
+            bound = n_steps_of_error * biggest * (1 + 1 / levels) / levels
+            err = float((hooked - plain).abs().max())
+            assert 0 < err <= bound, (step, name, err, bound)
+            torch.testing.assert_close(hooked, ranks[1][step]["hooked"][name], rtol=0, atol=0)
+        met = ranks[0][step]["metrics"]
+        by_layer = {s.layer: s for s in met.layers}
+        assert all(by_layer[n].bits == 8 for n in quantized)
+        assert met.bytes_sent < met.raw_bytes
 
 
 # -- checkpoints --------------------------------------------------------------------------------
 
 
 def _pickle_worker(rank, world_size, out_dir):
-    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
-    state = register_tail_hook(ddp, "powersgd", {"rank": 1})
-    for step in range(4):
-        x, y = _batch(rank, step)
-        ddp.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-    (out_dir / f"rank{rank}.pkl").write_bytes(pickle.dumps(state))
-    torch.save(state.state_dict(), out_dir / f"rank{rank}.pt")
+    for method, config in (("powersgd", {"rank": 1}), ("tail", None)):
+        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+        state = register_tail_hook(ddp, method, config)
+        for step in range(4):
+            x, y = _batch(rank, step)
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        (out_dir / f"{method}{rank}.pkl").write_bytes(pickle.dumps(state))
+        torch.save(state.state_dict(), out_dir / f"{method}{rank}.pt")
 
 
-def test_state_pickles_without_process_group_and_restores(tmp_path):
+def test_state_pickles_without_process_group_and_restores_by_name(tmp_path):
     run_local_group(_pickle_worker, 2, (tmp_path,), timeout_s=TIMEOUT_S)
     # Unpickled in this process, which has no process group at all.
     assert not dist.is_initialized()
-    state = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
-    assert state.process_group is None
-    assert state.powersgd.process_group is None
-    assert state.powersgd.iter == 4
-    assert state.powersgd.error_dict, "PowerSGD's error feedback memory travels with the pickle"
-    # state_dict restores into a fresh state built for a new model object.
+    psgd = pickle.loads((tmp_path / "powersgd0.pkl").read_bytes())
+    assert psgd.process_group is None
+    assert psgd.powersgd.process_group is None
+    assert psgd.powersgd.iter == 4
+    assert psgd.powersgd.error_dict, "PowerSGD's error feedback memory travels with the pickle"
     fresh = make_hook_state(_model(), "powersgd", {"rank": 1})
-    fresh.load_state_dict(torch.load(tmp_path / "rank0.pt", weights_only=False))
+    fresh.load_state_dict(torch.load(tmp_path / "powersgd0.pt", weights_only=False))
     assert fresh.powersgd.iter == 4
+
+    tail = pickle.loads((tmp_path / "tail0.pkl").read_bytes())
+    assert tail.process_group is None
+    saved = torch.load(tmp_path / "tail0.pt", weights_only=False)
+    residuals = saved["compressor"]["residuals"]
+    # Keyed by parameter name (the layers Tail quantizes: >= 4096 elements), not bucket index.
+    assert set(residuals) == {"0.weight", "2.weight", "4.weight"}
+    restored = make_hook_state(_model(), "tail")  # a new model object, new parameter ids
+    restored.load_state_dict(saved)
+    again = restored.state_dict()["compressor"]
+    for name, residual in residuals.items():
+        assert torch.equal(again["residuals"][name], residual)
+        assert residual.abs().sum() > 0
+    assert (
+        again["layer_steps"]
+        == saved["compressor"]["layer_steps"]
+        == dict.fromkeys(saved["compressor"]["layer_steps"], 4)
+    )
+    # A resized job drops the per-worker residuals but keeps the controller.
+    resized = make_hook_state(_model(), "tail")
+    resized.load_state_dict(saved, residuals=False)
+    assert not resized.state_dict()["compressor"]["residuals"]
+    assert resized.state_dict()["compressor"]["controller"] == saved["compressor"]["controller"]
+    with pytest.raises(ConfigError, match="method"):
+        make_hook_state(_model(), "qsgd").load_state_dict(saved)
 
 
 def test_state_dict_is_keyed_by_parameter_name():
