@@ -28,7 +28,7 @@ from tests.ray_cluster import connected_cluster
 pytestmark = pytest.mark.ray
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-METHOD = "none"
+METHOD = "tail"
 STEPS = 20
 RESUMED_STEPS = 30
 
@@ -72,7 +72,7 @@ def two_worker_run(cluster, storage):
     job_id = f"runner-test-{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
     result = run_job(job_config(storage), job_id)
-    print(f"\n2-worker {METHOD} job, {STEPS} steps: {time.monotonic() - t0:.1f} s")
+    print(f"\n2-worker {METHOD} job, {STEPS} steps: {time.monotonic() - t0:.1f} s; {result.summary}")
     yield result
     close_sink(job_id)
 
@@ -107,6 +107,40 @@ def test_checkpoint_holds_every_rank_and_the_model(two_worker_run):
     state = torch.load(ckpt / TRAIN_STATE_FILE, weights_only=False)
     assert state["step"] == STEPS and state["world_size"] == 2
     assert set(state["model"]) == param_names()
+
+
+def test_checkpoint_restores_the_hook_state_by_layer_name(two_worker_run):
+    """Each rank's hook state, saved by the job, loads into a fresh hook built on a fresh model
+    (new parameter objects): layers match by name, residuals and controller state come back;
+    the resize path keeps the controller and drops the per-worker residuals."""
+    from tail_ray.collective import make_hook_state
+
+    ckpt = Path(two_worker_run.checkpoint_path)
+    names = param_names()
+    for rank in (0, 1):
+        saved = torch.load(ckpt / rank_file(rank), weights_only=False)["hook"]
+        assert saved["method"] == METHOD
+        residuals = saved["compressor"]["residuals"]
+        assert residuals and set(residuals) <= names
+        assert set(saved["compressor"]["layer_steps"]) == names
+
+        fresh = make_hook_state(make_model("digits_cnn", make_dataset("digits")), METHOD, {})
+        fresh.load_state_dict(saved)
+        back = fresh.state_dict()["compressor"]
+        assert set(back["residuals"]) == set(residuals)
+        for name, tensor in residuals.items():
+            assert torch.equal(back["residuals"][name], tensor), name
+        assert back["layer_steps"] == saved["compressor"]["layer_steps"]
+
+        resized = make_hook_state(make_model("digits_cnn", make_dataset("digits")), METHOD, {})
+        resized.load_state_dict(saved, residuals=False)
+        kept = resized.state_dict()["compressor"]
+        assert not kept["residuals"]
+        assert kept["controller"]["plans"].keys() == saved["compressor"]["controller"]["plans"].keys()
+    r0, r1 = (torch.load(ckpt / rank_file(r), weights_only=False)["hook"] for r in (0, 1))
+    some = next(iter(r0["compressor"]["residuals"]))
+    # Residuals are per worker: the two ranks saw different batches.
+    assert not torch.equal(r0["compressor"]["residuals"][some], r1["compressor"]["residuals"][some])
 
 
 def test_resume_on_one_worker_from_the_two_worker_checkpoint(two_worker_run, storage):
