@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_config(path: str, overrides: list[str]) -> JobConfig:
     cfg = JobConfig.from_yaml(path).with_overrides(overrides)
-    from tail_ray.runner.trainer import check_registries
+    from tail_ray.runner.trainer import validate_job
 
-    check_registries(cfg)
+    validate_job(cfg)
     return cfg
 
 

@@ -23,18 +23,35 @@ from tail_ray.collective import (
     register_tail_hook,
 )
 
+# Methods whose stochastic rounding takes a seed. Without one each compressor draws a random
+# base seed, so a run could not be reproduced, nor replayed exactly from a checkpoint.
+SEEDED_METHODS = ("tail", "qsgd")
+
+
+def compression_settings(method: str, config: Mapping[str, Any], *, seed: int, rank: int) -> dict[str, Any]:
+    """The method's settings, with a stochastic-rounding seed derived from (job seed, rank)
+    unless the user set one: different on every worker (their rounding noise must be
+    independent), the same across runs of one config."""
+    settings = dict(config)
+    if method in SEEDED_METHODS and "seed" not in settings:
+        settings["seed"] = (seed * 1_000_003 + rank * 7919 + 17) & 0xFFFF_FFFF
+    return settings
+
 
 class Comm:
     """Gradient communication for one worker."""
 
-    def __init__(self, model: nn.Module, method: str, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self, model: nn.Module, method: str, config: Mapping[str, Any], *, seed: int = 0, rank: int = 0
+    ) -> None:
         self.method = method
         self._model = model
         self._local = not isinstance(model, nn.parallel.DistributedDataParallel)
+        settings = compression_settings(method, config, seed=seed, rank=rank)
         if self._local:
-            self.state: TailHookState = make_hook_state(model, method, dict(config))
+            self.state: TailHookState = make_hook_state(model, method, settings)
         else:
-            self.state = register_tail_hook(model, method=method, config=dict(config))
+            self.state = register_tail_hook(model, method=method, config=settings)
 
     def after_backward(self) -> None:
         """Between backward and the optimizer step: world size 1 runs the local round trip

@@ -100,7 +100,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     dataset = make_dataset(cfg.dataset, cfg.seed)
     model = ray.train.torch.prepare_model(make_model(cfg.model, dataset, cfg.seed))
     optimizer = make_optimizer(cfg, model.parameters())
-    comm = Comm(model, cfg.method, cfg.compression)
+    comm = Comm(model, cfg.method, cfg.compression, seed=cfg.seed, rank=rank)
 
     start_step, totals = 0, {"bytes_sent": 0.0, "bytes_received": 0.0, "raw_bytes": 0.0, "steps": 0.0}
     checkpoint = ray.train.get_checkpoint()

@@ -11,7 +11,7 @@ import pytest
 
 from tail_ray.errors import ConfigError
 from tail_ray.runner.config import JobConfig
-from tail_ray.runner.trainer import check_registries, resolve_job_id, scaling_config, submission_id_from_env
+from tail_ray.runner.trainer import resolve_job_id, scaling_config, submission_id_from_env, validate_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO_ROOT / "jobs/configs").glob("*.yaml"))
@@ -20,7 +20,7 @@ CONFIGS = sorted((REPO_ROOT / "jobs/configs").glob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_configs_load_and_name_known_parts(path):
     cfg = JobConfig.from_yaml(path)
-    check_registries(cfg)
+    validate_job(cfg)
     assert cfg.name == path.stem
 
 
@@ -52,9 +52,23 @@ def test_bad_values_raise_config_error_that_names_the_fix(override, words):
 
 def test_unknown_model_or_dataset_fails_before_any_worker_starts():
     with pytest.raises(ConfigError, match="unknown model 'resnet'"):
-        check_registries(JobConfig(model="resnet"))
+        validate_job(JobConfig(model="resnet"))
     with pytest.raises(ConfigError, match="unknown dataset 'imagenet'"):
-        check_registries(JobConfig(dataset="imagenet"))
+        validate_job(JobConfig(dataset="imagenet"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["compression.no_such=1"], "no_such"),
+        (["method=none", "compression.bits=4"], "takes no settings"),
+        (["method=topk", "compression.density=2"], "density"),
+        (["method=powersgd", "compression.rank=0"], "rank"),
+    ],
+)
+def test_bad_compression_settings_fail_on_the_driver(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        validate_job(JobConfig().with_overrides(overrides))
 
 
 def test_overrides_keep_types_and_set_compression_keys():
