@@ -38,6 +38,7 @@ DEFAULT_STORAGE_PATH = Path.home() / "ray_results" / "tail_ray"
 # process in this variable (ray.dashboard.modules.job: JobSupervisor._get_driver_env_vars).
 RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 RAY_JOB_ID_METADATA_KEY = "job_submission_id"
+SINK_CLOSE_TIMEOUT_S = 10.0
 
 
 def submission_id_from_env(environ: dict[str, str] | None = None) -> str | None:
@@ -158,10 +159,19 @@ def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
     except Exception as exc:  # TrainingFailedError once the retries are spent
         result, error = None, f"{type(exc).__name__}: {exc}"
     finally:
-        sink.close.remote()  # fire-and-forget: readers see the stream is complete
+        _mark_closed(sink)
     summary = dict(result.return_value or {}) if result is not None else {}
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint else None
     return JobResult(job_id, error is None, summary, checkpoint, error, time.perf_counter() - t0)
+
+
+def _mark_closed(sink: ray.actor.ActorHandle) -> None:
+    """Tell readers the stream is complete. Waited for (briefly) because the CLI disconnects
+    right after, which could drop a call still in flight; a failure here never fails the job."""
+    try:
+        ray.get(sink.close.remote(), timeout=SINK_CLOSE_TIMEOUT_S)
+    except Exception as exc:
+        logger.warning("could not mark the metrics sink closed: %s", exc)
 
 
 def ensure_ray(address: str | None) -> None:

@@ -159,6 +159,7 @@ def test_resume_on_one_worker_from_the_two_worker_checkpoint(two_worker_run, sto
     assert {rec["layer"] for rec in new if rec["type"] == "layer"} == param_names()
 
 
+@pytest.mark.slow
 def test_entrypoint_through_the_ray_jobs_api(cluster):
     """`python -m jobs.train --config jobs/configs/smoke.yaml` submitted with the Jobs API
     (token auth) to this module's cluster: it succeeds, its submission id is the metrics job
