@@ -103,7 +103,9 @@ def scaling_config(cfg: JobConfig) -> ScalingConfig:
     )
 
 
-def build_trainer(cfg: JobConfig, job_id: str) -> TorchTrainer:
+def build_trainer(cfg: JobConfig, job_id: str, *, inject_failure_at_step: int | None = None) -> TorchTrainer:
+    """The TorchTrainer for ``cfg``. ``inject_failure_at_step`` (tests of recovery only): the
+    last rank raises before that step on a run not resumed from a checkpoint."""
     storage = cfg.storage_path or str(DEFAULT_STORAGE_PATH)
     run_config = RunConfig(
         name=job_id,
@@ -113,7 +115,11 @@ def build_trainer(cfg: JobConfig, job_id: str) -> TorchTrainer:
     )
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict(), "job_id": job_id},
+        train_loop_config={
+            "job": cfg.to_dict(),
+            "job_id": job_id,
+            "inject_failure_at_step": inject_failure_at_step,
+        },
         scaling_config=scaling_config(cfg),
         run_config=run_config,
     )
@@ -139,7 +145,9 @@ class JobResult:
         }
 
 
-def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
+def run_job(
+    cfg: JobConfig, job_id: str | None = None, *, inject_failure_at_step: int | None = None
+) -> JobResult:
     """Run ``cfg`` on the connected Ray cluster (``ray.init`` must have been called)."""
     validate_job(cfg)
     job_id = job_id or resolve_job_id(cfg)
@@ -154,7 +162,7 @@ def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
         cfg.max_workers,
     )
     try:
-        result = build_trainer(cfg, job_id).fit()
+        result = build_trainer(cfg, job_id, inject_failure_at_step=inject_failure_at_step).fit()
         error = None if result.error is None else str(result.error)
     except Exception as exc:  # TrainingFailedError once the retries are spent
         result, error = None, f"{type(exc).__name__}: {exc}"
