@@ -11,20 +11,31 @@ from __future__ import annotations
 import enum
 import json
 import shlex
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from tail_ray.runner.config import METHODS, JobConfig
+from tail_ray.runner.config import METHODS, OPTIMIZERS, JobConfig
 from tail_ray.runner.datasets import dataset_names
 from tail_ray.runner.models import model_names
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 TRAIN_MODULE = "jobs.train"
+# The entrypoint's --config; every JobCreate field is then set with --set, so the file only
+# supplies the knobs JobCreate does not expose (checkpoints kept, metrics queue size, ...).
+BASE_CONFIG = "jobs/configs/digits-tail.yaml"
+# JobConfig takes these raw (not YAML-parsed) from --set; our patterns keep them shell- and
+# YAML-harmless anyway.
+BASE_CONFIG_PATH = REPO_ROOT / BASE_CONFIG
+_RAW_STRING_FIELDS = frozenset({"name", "model", "dataset", "method", "optimizer"})
 
 # Enums built from the registries so OpenAPI lists the allowed values.
 ModelName = enum.Enum("ModelName", {n: n for n in model_names()}, type=str)  # type: ignore[misc]
 DatasetName = enum.Enum("DatasetName", {n: n for n in dataset_names()}, type=str)  # type: ignore[misc]
 Method = enum.Enum("Method", {n: n for n in METHODS}, type=str)  # type: ignore[misc]
+Optimizer = enum.Enum("Optimizer", {n: n for n in OPTIMIZERS}, type=str)  # type: ignore[misc]
 
 JobName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 SettingKey = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,39}$")]
@@ -54,10 +65,17 @@ class JobCreate(BaseModel):
     steps: int = Field(200, ge=1, le=1_000_000)
     batch_size: int = Field(32, ge=1, le=65_536, description="Per worker.")
     lr: float = Field(0.05, gt=0, le=10)
+    optimizer: Optimizer = "sgd"  # type: ignore[valid-type,assignment]
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    lr_drop_at: float = Field(
+        0.75, gt=0, le=1, description="Fraction of steps after which lr is multiplied by lr_drop_factor."
+    )
+    lr_drop_factor: float = Field(0.1, gt=0, le=1)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000)
     metrics_every_steps: int = Field(1, ge=1, le=10_000)
-    max_failures: int = Field(3, ge=0, le=100)
+    max_failures: int = Field(3, ge=-1, le=100, description="-1: retry forever.")
 
     @model_validator(mode="after")
     def _workers_ordered(self) -> JobCreate:
@@ -70,17 +88,17 @@ class JobCreate(BaseModel):
         as ``123`` or ``yes`` stays a string."""
         out = []
         for key, value in self.model_dump(exclude={"compression"}).items():
-            out.append(f"{key}={_literal(value)}")
+            out.append(f"{key}={value}" if key in _RAW_STRING_FIELDS else f"{key}={_literal(value)}")
         for key, value in sorted(self.compression.items()):
             out.append(f"compression.{key}={_literal(value)}")
         return out
 
     def to_job_config(self) -> JobConfig:
         """What the runner will see (raises ``ConfigError`` where it disagrees)."""
-        return JobConfig().with_overrides(self.overrides())
+        return JobConfig.from_yaml(BASE_CONFIG_PATH).with_overrides(self.overrides())
 
     def entrypoint(self) -> str:
-        args = ["python", "-m", TRAIN_MODULE]
+        args = ["python", "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
         for item in self.overrides():
             args += ["--set", item]
         return shlex.join(args)

@@ -494,7 +494,10 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
     for name in fields:
         value = rec[name]
         if name in _INT_FIELDS:
-            out.append(int(value))
+            number = int(value)
+            if not -(2**63) <= number < 2**63:  # SQLite INTEGER; beyond it the whole batch would fail
+                raise ValueError(f"{name}={number} is out of range")
+            out.append(number)
         elif name in _STR_FIELDS:
             out.append(str(value))
         else:
