@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,12 +11,10 @@ from typing import Any
 
 import uvicorn
 
-os.environ["RAY_AUTH_MODE"] = "token"  # every process we start says so explicitly
-
-from service.main import create_app  # noqa: E402
-from service.ray_head import HeadPorts, LocalRayHead, free_port  # noqa: E402
-from service.settings import Settings  # noqa: E402
-from tail_ray.metrics.records import LayerMetric, StepMetric  # noqa: E402
+from service.main import create_app
+from service.ray_head import HeadPorts, LocalRayHead, free_port
+from service.settings import Settings
+from tail_ray.metrics.records import LayerMetric, StepMetric
 
 API_TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
