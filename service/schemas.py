@@ -52,9 +52,9 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=True)
 
     name: JobName = "digits-tail"
-    model: ModelName = "digits_cnn"  # type: ignore[valid-type,assignment]
-    dataset: DatasetName = "digits"  # type: ignore[valid-type,assignment]
-    method: Method = "tail"  # type: ignore[valid-type,assignment]
+    model: ModelName = "digits_cnn"  # type: ignore[assignment]
+    dataset: DatasetName = "digits"  # type: ignore[assignment]
+    method: Method = "tail"  # type: ignore[assignment]
     compression: dict[SettingKey, SettingValue] = Field(
         default_factory=dict, max_length=16, description="Settings of the compression method."
     )
@@ -65,7 +65,7 @@ class JobCreate(BaseModel):
     steps: int = Field(200, ge=1, le=1_000_000)
     batch_size: int = Field(32, ge=1, le=65_536, description="Per worker.")
     lr: float = Field(0.05, gt=0, le=10)
-    optimizer: Optimizer = "sgd"  # type: ignore[valid-type,assignment]
+    optimizer: Optimizer = "sgd"  # type: ignore[assignment]
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
     weight_decay: float = Field(0.0, ge=0, le=1)
     lr_drop_at: float = Field(
