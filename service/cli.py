@@ -100,6 +100,10 @@ def _bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"
 
 
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -140,9 +144,9 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     summary = api.get(f"{base}/summary")
     rows = [
         [
-            row["layer"], row["step"], row["ranks"], f"{row['bits']:.1f}", f"{row['density']:.3f}",
-            f"{row['ratio']:.2f}", _bytes(row["raw_bytes"]), _bytes(row["encoded_bytes"]),
-            f"{row['rel_error']:.4f}",
+            row["layer"], row["step"], row["ranks"], _num(row["bits"], 1), _num(row["density"], 3),
+            _num(row["ratio"], 2), _bytes(row["raw_bytes"]), _bytes(row["encoded_bytes"]),
+            _num(row["rel_error"], 4),
         ]
         for row in layers
     ]  # fmt: skip

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from tail_ray.runner.config import METHODS, OPTIMIZERS, JobConfig
 from tail_ray.runner.datasets import dataset_names
 from tail_ray.runner.models import model_names
+from tail_ray.runner.trainer import validate_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +94,14 @@ class JobCreate(BaseModel):
             out.append(f"compression.{key}={_literal(value)}")
         return out
 
-    def to_job_config(self) -> JobConfig:
-        """What the runner will see (raises ``ConfigError`` where it disagrees)."""
-        return JobConfig.from_yaml(BASE_CONFIG_PATH).with_overrides(self.overrides())
+    def to_job_config(self, validate: bool = True) -> JobConfig:
+        """What the runner will see. Raises ``ConfigError`` where the runner disagrees: its
+        config checks and, with ``validate``, its driver-side checks (compression settings the
+        method rejects), so a bad spec is a 422 here rather than a failed job later."""
+        cfg = JobConfig.from_yaml(BASE_CONFIG_PATH).with_overrides(self.overrides())
+        if validate:
+            validate_job(cfg)
+        return cfg
 
     def entrypoint(self) -> str:
         args = ["python", "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
@@ -149,11 +155,11 @@ class LayerLatest(BaseModel):
     ranks: int
     numel: int
     bits: float = Field(description="Mean over ranks.")
-    density: float
+    density: float | None = Field(description="Mean over ranks; null when no rank measured a finite value.")
     raw_bytes: int = Field(description="Summed over ranks.")
     encoded_bytes: int = Field(description="Summed over ranks.")
     ratio: float = Field(description="raw_bytes / encoded_bytes.")
-    rel_error: float
+    rel_error: float | None = Field(description="Mean over ranks; null when no rank measured a finite value.")
     code: str
 
 
@@ -167,13 +173,14 @@ class StepPoint(BaseModel):
     bytes_received: int
     raw_bytes: int
     ratio: float
-    loss: float = Field(description="Mean over ranks.")
-    step_s: float
-    compress_s: float
-    decode_s: float
-    comm_s: float
+    # null where no rank reported a finite value (NaN/inf are stored as NULL)
+    loss: float | None = Field(description="Mean over ranks.")
+    step_s: float | None
+    compress_s: float | None
+    decode_s: float | None
+    comm_s: float | None
     method: str
-    wall_time_s: float
+    wall_time_s: float | None
 
 
 class StepsPage(BaseModel):

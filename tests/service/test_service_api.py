@@ -67,6 +67,9 @@ def test_bad_spec_gets_422_naming_the_field(head: LocalRayHead, tmp_path: Path) 
         assert locs == {("body", "steps"), ("body", "entrypoint")}
         resp = client.post("/v1/jobs", json={"min_workers": 4, "max_workers": 2}, headers=AUTH)
         assert resp.status_code == 422 and "min_workers (4) must be <= max_workers (2)" in resp.text
+        resp = client.post("/v1/jobs", json={"method": "powersgd", "compression": {"bits": 4}}, headers=AUTH)
+        assert resp.status_code == 422 and resp.json()["code"] == "invalid_config"
+        assert "unknown powersgd setting 'bits'" in resp.json()["detail"]
         assert client.get("/v1/jobs").json()["total"] == 0  # nothing was submitted
 
 

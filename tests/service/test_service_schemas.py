@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from service.ray_client import is_train_entrypoint, name_from_entrypoint
 from service.schemas import BASE_CONFIG, JobCreate
+from tail_ray.errors import ConfigError
 
 
 def test_defaults_map_onto_job_config_field_by_field() -> None:
@@ -23,12 +24,15 @@ def test_defaults_map_onto_job_config_field_by_field() -> None:
     [
         {"name": "123", "lr": 1e-5, "seed": 7},  # a numeric-looking name stays a string; 1e-5 a float
         {"name": "yes", "method": "none", "min_workers": 1, "max_workers": 3, "optimizer": "adamw"},
-        {"compression": {"bits": 4, "mode": "yes", "scale": 2.5e20, "flag": True}, "max_failures": -1},
+        {"method": "powersgd", "compression": {"rank": 2}, "max_failures": -1},
+        # Values that YAML would misread if they were not written as literals (not validated
+        # against a method: only the mapping is under test here).
+        {"compression": {"bits": 4, "mode": "yes", "scale": 2.5e20, "flag": True}},
     ],
 )
 def test_overrides_round_trip_through_job_config(fields: dict) -> None:
     spec = JobCreate(**fields)
-    cfg = spec.to_job_config()
+    cfg = spec.to_job_config(validate="compression" not in fields or fields.get("method") == "powersgd")
     for key, value in fields.items():
         got = dict(cfg.compression) if key == "compression" else getattr(cfg, key)
         assert got == value and type(got) is type(value), (key, got, value)
@@ -67,6 +71,15 @@ def test_bad_specs_name_the_field(fields: dict, bad_field: str) -> None:
     with pytest.raises(ValidationError) as info:
         JobCreate(**fields)
     assert any(bad_field in err["loc"] for err in info.value.errors()), info.value.errors()
+
+
+@pytest.mark.parametrize(
+    ("method", "compression"), [("tail", {"rank": 2}), ("none", {"bits": 4}), ("powersgd", {"bogus": 1})]
+)
+def test_compression_settings_the_method_rejects_are_a_config_error(method: str, compression: dict) -> None:
+    spec = JobCreate(method=method, compression=compression)
+    with pytest.raises(ConfigError, match=f"method={method!r}"):
+        spec.to_job_config()
 
 
 def test_min_workers_above_max_workers_is_rejected_with_both_values() -> None:

@@ -124,3 +124,17 @@ def test_out_of_range_integers_are_skipped_not_fatal(tmp_path: Path) -> None:
     recs[-1] = {**recs[-1], "raw_bytes": 2**70}
     store.ingest("j1", IngestBatch(recs, last))
     assert store.cursor("j1") == last and len(store.seqs("j1")) == len(recs) - 1
+
+
+def test_non_finite_floats_keep_their_record_as_null(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    recs, last = _batch(step_records("j1", 0, ranks=1), 1)
+    recs[0] = {**recs[0], "rel_error": float("nan"), "ratio": float("inf")}  # a layer record
+    recs[-1] = {**recs[-1], "loss": float("nan")}  # the step record
+    store.ingest("j1", IngestBatch(recs, last))
+    assert store.seqs("j1") == list(range(1, last + 1))  # every record kept
+    first = store.latest_layers("j1")[0]
+    assert first["layer"] == LAYERS[0] and first["rel_error"] is None
+    assert store.latest_layers("j1")[1]["rel_error"] is not None
+    assert store.steps("j1", -1, 10)[0]["loss"] is None
+    assert store.summary("j1")["last_loss"] is None
