@@ -219,7 +219,7 @@ def service_env_names() -> set[str]:
             getattr(base, "id", None) == "BaseSettings" for base in node.bases
         ):
             for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    if stmt.target.id != "model_config":
-                        out.add("TAIL_RAY_" + stmt.target.id.upper())
+                is_field = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                if is_field and stmt.target.id != "model_config":
+                    out.add("TAIL_RAY_" + stmt.target.id.upper())
     return out

@@ -91,9 +91,7 @@ WORKER_GROUP_SPEC = obj(
     required=("groupName", "minReplicas", "maxReplicas", "template"),
 )
 
-AUTH_OPTIONS = obj(
-    {"mode": {"enum": ["disabled", "token"]}, "secretName": STR, "enableK8sTokenAuth": BOOL}
-)
+AUTH_OPTIONS = obj({"mode": {"enum": ["disabled", "token"]}, "secretName": STR, "enableK8sTokenAuth": BOOL})
 
 RAY_CLUSTER_SPEC = obj(
     {

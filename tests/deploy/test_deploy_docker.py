@@ -50,7 +50,16 @@ def extras_of(words: list[str]) -> set[str]:
     return set(target[2:-1].split(",")) if target.startswith(".[") else set()
 
 
-OPTIONS_WITH_VALUE = {"-i", "--index-url", "--extra-index-url", "-c", "--constraint", "-r", "-f", "--find-links"}
+OPTIONS_WITH_VALUE = {
+    "-i",
+    "--index-url",
+    "--extra-index-url",
+    "-c",
+    "--constraint",
+    "-r",
+    "-f",
+    "--find-links",
+}
 
 
 def requirement_args(words: list[str]) -> list[str]:
@@ -112,7 +121,9 @@ def test_package_install_line_matches_pyproject(name):
     assert extras == groups - {"test"}, (extras, groups)
     # Ray stays the base image's Ray: a constraint pins it to the image's version.
     (constraint_file,) = [words[i + 1] for i, w in enumerate(words) if w in ("-c", "--constraint")]
-    (run,) = [i.args for i in instructions if i.keyword == "RUN" and constraint_file in i.args and "echo" in i.args]
+    (run,) = [
+        i.args for i in instructions if i.keyword == "RUN" and constraint_file in i.args and "echo" in i.args
+    ]
     pinned = expand(shlex.split(run.split("&&")[0])[1], arg_defaults(instructions))
     assert Requirement(pinned) == Requirement(f"ray=={arg_defaults(instructions)['RAY_VERSION']}")
     # Everything `pip install .` needs is in the build context it copies.
@@ -134,7 +145,9 @@ def test_torch_range_is_pyprojects_and_installed_before_the_package(name):
     assert position < package_position, "torch first, so the package install finds it satisfied"
     uses_cpu_index = CPU_TORCH_INDEX in words
     if name == "Dockerfile":
-        assert words[words.index("--index-url") + 1] == CPU_TORCH_INDEX, "the CPU image must not pull CUDA torch"
+        assert words[words.index("--index-url") + 1] == CPU_TORCH_INDEX, (
+            "the CPU image must not pull CUDA torch"
+        )
     else:
         assert not uses_cpu_index, "the CUDA image needs a CUDA build of torch"
 

@@ -4,9 +4,11 @@ and with the code they run (job config, service settings, Ray token auth, elasti
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import shlex
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -29,11 +31,13 @@ from deploy_support import (
     service_service,
     walk,
 )
+from fastapi.testclient import TestClient
 from kuberay_schema import kuberay_errors
 
 NEWEST_K8S = kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version())
 K8S_VERSIONS = (OLDEST_K8S, NEWEST_K8S)
 NAMESPACE = "tail-ray"
+RAY_IMAGE_HOME = Path("/home/ray")  # the home of user `ray` in the rayproject/ray images
 RAY_SECRET = ("ray-auth-token", "auth_token")
 API_SECRET = ("tail-ray-api-token", "token")
 
@@ -66,7 +70,15 @@ def test_every_yaml_and_json_under_deploy_parses():
 
 def test_manifests_cover_the_product():
     kinds = sorted({doc["kind"] for _, doc in manifests()})
-    for kind in ("Namespace", "Secret", "PersistentVolumeClaim", "RayCluster", "RayJob", "Deployment", "Service"):
+    for kind in (
+        "Namespace",
+        "Secret",
+        "PersistentVolumeClaim",
+        "RayCluster",
+        "RayJob",
+        "Deployment",
+        "Service",
+    ):
         assert kind in kinds, f"deploy/k8s has no {kind} (has {kinds})"
 
 
@@ -122,7 +134,9 @@ def test_everything_lives_in_one_namespace():
 
 
 def test_secret_and_volume_references_resolve():
-    secrets = {s["metadata"]["name"]: set(s.get("stringData", {}) | s.get("data", {})) for s in objects("Secret")}
+    secrets = {
+        s["metadata"]["name"]: set(s.get("stringData", {}) | s.get("data", {})) for s in objects("Secret")
+    }
     claims = {c["metadata"]["name"]: c for c in objects("PersistentVolumeClaim")}
     refs = 0
     for _, doc in manifests():
@@ -145,7 +159,9 @@ def test_committed_secrets_are_placeholders():
     """The committed Secret values must be unusable as they are (README step 3 makes real ones)."""
     for secret in objects("Secret"):
         for key, value in secret.get("stringData", {}).items():
-            assert value.startswith("REPLACE-ME"), f"{secret['metadata']['name']}.{key} looks like a real token"
+            assert value.startswith("REPLACE-ME"), (
+                f"{secret['metadata']['name']}.{key} looks like a real token"
+            )
 
 
 def _is_secret_env(item: dict, secret: tuple[str, str]) -> bool:
@@ -248,26 +264,48 @@ def test_elastic_range_matches_the_worker_group():
 
 
 def test_checkpoints_go_to_storage_every_ray_pod_shares():
+    """Where the job checkpoints (its storage_path, or the runner's default under the home of the
+    image's user) is a ReadWriteMany volume mounted on every Ray pod, so a restarted worker group
+    finds the latest checkpoint wherever it lands. Jobs from the control plane set no
+    storage_path, so the default must be shared too."""
     from jobs.train import load_config, parse_args
+    from tail_ray.runner.trainer import DEFAULT_STORAGE_PATH
 
     args = parse_args(_train_argv())
     cfg = load_config(str(REPO / args.config), args.overrides)
+    default_in_image = str(RAY_IMAGE_HOME / DEFAULT_STORAGE_PATH.relative_to(Path.home()))
     claims = {c["metadata"]["name"]: c for c in objects("PersistentVolumeClaim")}
-    for pod in pod_templates():
-        if not pod.ray_node:
-            continue
-        volumes = {v["name"]: v for v in pod.spec["volumes"]}
-        shared = [
-            m
-            for m in pod.main["volumeMounts"]
-            if "persistentVolumeClaim" in volumes[m["name"]]
-            and "ReadWriteMany" in claims[volumes[m["name"]]["persistentVolumeClaim"]["claimName"]]["spec"]["accessModes"]
-            and cfg.storage_path.startswith(m["mountPath"].rstrip("/") + "/")
-        ]
-        assert shared, f"{pod.where}: storage_path {cfg.storage_path!r} is not on a shared RWX volume"
+    for storage_path in {cfg.storage_path or default_in_image, default_in_image}:
+        for pod in pod_templates():
+            if not pod.ray_node:
+                continue
+            volumes = {v["name"]: v for v in pod.spec["volumes"]}
+            shared = [
+                m
+                for m in pod.main["volumeMounts"]
+                if "persistentVolumeClaim" in volumes[m["name"]]
+                and "ReadWriteMany"
+                in claims[volumes[m["name"]]["persistentVolumeClaim"]["claimName"]]["spec"]["accessModes"]
+                and storage_path.startswith(m["mountPath"].rstrip("/") + "/")
+            ]
+            assert shared, f"{pod.where}: checkpoints at {storage_path!r} are not on a shared RWX volume"
 
 
 # --- the control plane -----------------------------------------------------------------------
+
+
+def _uvicorn_app(argv: list[str]):
+    """Build the app the container's uvicorn command names (without starting it)."""
+    assert argv[0] == "uvicorn", argv
+    factory = "--factory" in argv
+    (target,) = [a for a in argv[1:] if ":" in a and not a.startswith("-")]
+    module_name, _, attr = target.partition(":")
+    obj = getattr(importlib.import_module(module_name), attr)
+    if not factory:
+        return obj
+    from service.settings import Settings
+
+    return obj(Settings(api_token="t" * 32, db_path=Path("/nonexistent/never-opened.sqlite")))
 
 
 def test_service_deployment_runs_the_app_with_its_settings():
@@ -276,10 +314,18 @@ def test_service_deployment_runs_the_app_with_its_settings():
     assert dep["spec"]["strategy"]["type"] == "Recreate", "SQLite: never two pods on one database"
     container = dep["spec"]["template"]["spec"]["containers"][0]
     argv = container["command"] + container.get("args", [])
-    assert argv[:2] == ["uvicorn", "service.main:app"], argv
     port = int(argv[argv.index("--port") + 1])
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
     assert ports_of(container)["http"] == port
+    # The command names a real app, and the paths the probes and Prometheus use are its routes.
+    app = _uvicorn_app(argv)
+    routes = set(app.openapi()["paths"])
+    assert {"/metrics", "/healthz", "/readyz"} <= routes
+    client = TestClient(app)  # no lifespan: the probes' route must answer without Ray or a database
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["port"] == "http", probe
+        assert client.get(get["path"]).status_code == 200, probe
 
     env = env_of(container)
     known = service_env_names()
@@ -298,10 +344,6 @@ def test_service_deployment_runs_the_app_with_its_settings():
     (claim,) = [c for c in objects("PersistentVolumeClaim") if c["metadata"]["name"] == claim_name]
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
 
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        get = container[probe]["httpGet"]
-        assert get["path"] in ("/healthz", "/readyz") and get["port"] == "http", probe
-
 
 def test_service_points_at_the_heads_job_server_and_client_port():
     cluster = ray_cluster()
@@ -314,7 +356,11 @@ def test_service_points_at_the_heads_job_server_and_client_port():
     assert ray_address.scheme == "ray", "a pod outside the Ray cluster connects through Ray Client"
     assert (ray_address.hostname, ray_address.port) == (head_host, head_ports["client"])
     dashboard = urlsplit(env["TAIL_RAY_RAY_DASHBOARD_URL"]["value"])
-    assert (dashboard.scheme, dashboard.hostname, dashboard.port) == ("http", head_host, head_ports["dashboard"])
+    assert (dashboard.scheme, dashboard.hostname, dashboard.port) == (
+        "http",
+        head_host,
+        head_ports["dashboard"],
+    )
 
 
 def test_service_object_selects_the_app_pods():

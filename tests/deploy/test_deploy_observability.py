@@ -38,13 +38,8 @@ FALLBACK_SERVICE_METRICS = frozenset(
     }
 )
 
-PROMQL_WORDS = {
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
-    "rate", "irate", "increase", "delta", "idelta", "deriv", "abs", "clamp_min", "clamp_max",
-    "histogram_quantile", "label_replace", "label_values", "by", "without", "on", "ignoring",
-    "group_left", "group_right", "bool", "and", "or", "unless", "offset", "time", "vector",
-    "scalar", "sort", "sort_desc", "avg_over_time", "max_over_time", "min_over_time",
-}
+# PromQL keywords that can stand without parentheses (functions are told apart by their "(").
+PROMQL_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "on", "ignoring", "by", "without"})
 
 
 def metric_names(expr: str) -> set[str]:
@@ -57,7 +52,7 @@ def metric_names(expr: str) -> set[str]:
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
         word = match.group(0)
         follows = text[match.end() :].lstrip()
-        if word in PROMQL_WORDS or follows.startswith("("):
+        if word in PROMQL_KEYWORDS or follows.startswith("("):
             continue
         names.add(word)
     return names
@@ -66,7 +61,7 @@ def metric_names(expr: str) -> set[str]:
 def test_metric_names_parser():
     assert metric_names('sum by (job_id) (rate(a_total{job_id=~"$j", x="y(z)"}[5m]))') == {"a_total"}
     assert metric_names("sum(a) - sum(b{l='1'})") == {"a", "b"}
-    assert metric_names('label_values(tail_ray_job_steps, job_id)') == {"tail_ray_job_steps", "job_id"}
+    assert metric_names("label_values(tail_ray_job_steps, job_id)") == {"tail_ray_job_steps", "job_id"}
 
 
 # --- Prometheus --------------------------------------------------------------------------------
@@ -152,7 +147,9 @@ def test_dashboard_asks_only_for_metrics_the_service_exports():
     asked |= {n for q in variable_queries for n in metric_names(q) if n.startswith("tail_ray_")}
     assert len(asked) >= 6, asked
     missing = sorted(n for n in asked if not _exported(n, exported))
-    assert not missing, f"the dashboard queries {missing}, which the service does not export ({sorted(exported)})"
+    assert not missing, (
+        f"the dashboard queries {missing}, which the service does not export ({sorted(exported)})"
+    )
 
 
 def test_dashboard_ray_metrics_exist_in_ray():
@@ -173,7 +170,10 @@ def test_dashboard_has_per_layer_ratio_and_traffic_panels():
     per_layer = [
         p
         for p in panels
-        if any("tail_ray_layer_ratio" in t["expr"] and "{{layer}}" in t.get("legendFormat", "") for t in p["targets"])
+        if any(
+            "tail_ray_layer_ratio" in t["expr"] and "{{layer}}" in t.get("legendFormat", "")
+            for t in p["targets"]
+        )
     ]
     assert per_layer, "no panel shows the compression ratio per layer"
     traffic = [
@@ -198,4 +198,4 @@ def test_dashboard_is_well_formed():
             for var in re.findall(r"\$(\w+)", target["expr"]):
                 assert var in variables or var.startswith("__"), f"{panel['title']}: unknown ${var}"
         grid = panel["gridPos"]
-        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
