@@ -199,3 +199,30 @@ def test_dashboard_is_well_formed():
                 assert var in variables or var.startswith("__"), f"{panel['title']}: unknown ${var}"
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+
+
+# --- alert rules -------------------------------------------------------------------------------
+
+
+def test_alert_rules_load_and_use_exported_metrics():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    jobs = _scrape_jobs()
+    rule_files = [PROMETHEUS.parent / name for name in config["rule_files"]]
+    assert rule_files
+    exported = _service_names()
+    rules = [
+        rule
+        for path in rule_files
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+    ]
+    assert rules
+    for rule in rules:
+        assert rule["alert"] and rule["annotations"]["summary"], rule
+        names = metric_names(rule["expr"])
+        assert names, rule["expr"]
+        for name in names:
+            assert name == "up" or _exported(name, exported), f"{rule['alert']}: {name} is not exported"
+        # `job` matchers name real scrape jobs (a renamed job silently disables an alert).
+        for job in re.findall(r'job="([^"]+)"', rule["expr"]):
+            assert job in jobs, f"{rule['alert']}: no scrape job {job!r}"
