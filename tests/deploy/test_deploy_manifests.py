@@ -242,25 +242,39 @@ def test_rayjob_runs_jobs_train_on_the_cluster():
 
 
 def test_elastic_range_matches_the_worker_group():
-    """minReplicas..maxReplicas of the worker group is exactly the job's min..max workers."""
+    """minReplicas..maxReplicas of the worker group is exactly the job's min..max workers, as the
+    runner hands them to Ray Train (its ScalingConfig, built from the RayJob's command line)."""
     from jobs.train import load_config, parse_args
+    from tail_ray.runner.trainer import scaling_config
 
     args = parse_args(_train_argv())
-    cfg = load_config(str(REPO / args.config), args.overrides)
+    scaling = scaling_config(load_config(str(REPO / args.config), args.overrides))
+    assert isinstance(scaling.num_workers, tuple), "the example job should be elastic"
+    min_workers, max_workers = scaling.num_workers
+    assert min_workers < max_workers
+    per_worker = dict(scaling.resources_per_worker)
+    assert set(per_worker) == {"CPU"}, f"a CPU job on a CPU worker group, got {per_worker}"
+
     spec = ray_cluster()["spec"]
-    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["enableInTreeAutoscaling"] is True, "Ray Train asks the autoscaler for max_workers"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0", "training must not land on the head"
     (group,) = spec["workerGroupSpecs"]
     pod_cpus = float(group["rayStartParams"]["num-cpus"])
     limit = group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
     assert float(limit) == pod_cpus, "Ray's num-cpus must be what the container may really use"
-    assert cfg.gpus_per_worker == 0
-    workers_per_pod = math.floor(pod_cpus / cfg.cpus_per_worker)
-    assert workers_per_pod >= 1, f"a worker ({cfg.cpus_per_worker} CPUs) does not fit a pod ({pod_cpus})"
-    assert group["minReplicas"] * workers_per_pod == cfg.min_workers
-    assert group["maxReplicas"] * workers_per_pod == cfg.max_workers
-    assert cfg.min_workers < cfg.max_workers, "the example job should be elastic"
+    workers_per_pod = math.floor(pod_cpus / per_worker["CPU"])
+    assert workers_per_pod >= 1, f"a worker ({per_worker}) does not fit a pod ({pod_cpus} CPUs)"
+    assert group["minReplicas"] * workers_per_pod == min_workers
+    assert group["maxReplicas"] * workers_per_pod == max_workers
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_rayjob_submitter_gets_kuberays_submit_command():
+    """KubeRay fills in `ray job submit ... -- <entrypoint>` only when the submitter container
+    has no command of its own."""
+    (container,) = ray_job()["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    assert "command" not in container and "args" not in container
+    assert ray_job()["spec"]["submitterPodTemplate"]["spec"]["restartPolicy"] == "Never"
 
 
 def test_checkpoints_go_to_storage_every_ray_pod_shares():
