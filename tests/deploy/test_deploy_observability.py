@@ -226,3 +226,14 @@ def test_alert_rules_load_and_use_exported_metrics():
         # `job` matchers name real scrape jobs (a renamed job silently disables an alert).
         for job in re.findall(r'job="([^"]+)"', rule["expr"]):
             assert job in jobs, f"{rule['alert']}: no scrape job {job!r}"
+
+
+def test_prometheus_can_read_metrics_when_reads_need_the_token():
+    """With TAIL_RAY_READ_REQUIRES_TOKEN=true the service guards /metrics too; the scrape job must
+    then send the API token."""
+    from deploy_support import env_of
+
+    env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
+    guarded = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "false")).lower() in ("1", "true")
+    job = _scrape_jobs()["tail-ray-service"]
+    assert not guarded or "authorization" in job or "bearer_token_file" in job
