@@ -5,8 +5,8 @@ The Deployment's env is taken from the manifest; only the head Service's host an
 mapped to a local head started here (`ray start --head --block`, explicit ports, stopped by its
 pid). HOME points at an empty directory, so, as in a pod, the only token the service process
 has is the one the Secret puts in its environment. The service's own Settings and RayGateway
-must then list jobs on the job server; with a wrong token they must fail with a clear error
-that does not echo the token.
+must then list, on the job server, a job submitted with the RayJob's entrypoint; with a wrong
+token they must fail with a clear error that does not echo the token.
 
 Not automated: joining through Ray Client (TAIL_RAY_RAY_ADDRESS=ray://...:10001) and reading a
 sink. It worked here with this same setup, but on this machine (grpcio 1.85.3, shared 2 cores)
@@ -32,11 +32,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
-from deploy_support import REPO, ports_of, ray_cluster, service_deployment
+from deploy_support import REPO, ports_of, ray_cluster, ray_job, service_deployment
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 HEAD_START_TIMEOUT_S = 120.0
+PROBE_JOB_ID = "rayjob-digits-tail-probe"
 CLIENT_TIMEOUT_S = 60.0
 
 
@@ -99,6 +100,13 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
                 pass
             assert time.monotonic() < deadline, f"Ray head not ready in {HEAD_START_TIMEOUT_S}s"
             time.sleep(0.5)
+        # A job submitted by hand with the RayJob's own entrypoint (as KubeRay's submitter does);
+        # `--help` makes it exit at once whatever happens, so nothing trains here.
+        from ray.job_submission import JobSubmissionClient
+
+        JobSubmissionClient(
+            f"http://127.0.0.1:{ports['dashboard']}", headers={"Authorization": f"Bearer {token}"}
+        ).submit_job(entrypoint=ray_job()["spec"]["entrypoint"] + " --help", submission_id=PROBE_JOB_ID)
         yield LocalHead(token, ports)
     finally:
         # `ray start --block` stops the processes it started on SIGTERM: only our cluster ends.
@@ -174,7 +182,8 @@ def _run_probe(env: dict[str, str]) -> dict:
 
 def test_service_env_from_the_manifest_reaches_the_job_server(head, tmp_path):
     out = _run_probe(_service_env(head, head.token, tmp_path))
-    assert out == {"jobs": []}, out
+    # The hand-submitted RayJob entrypoint is a job the control plane lists.
+    assert out == {"jobs": [PROBE_JOB_ID]}, out
 
 
 def test_a_wrong_token_is_refused_with_a_clear_error(head, tmp_path):
