@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_config(path: str, overrides: list[str]) -> JobConfig:
     cfg = JobConfig.from_yaml(path).with_overrides(overrides)
-    from tail_ray.runner.trainer import check_registries
+    from tail_ray.runner.trainer import validate_job
 
-    check_registries(cfg)
+    validate_job(cfg)
     return cfg
 
 
@@ -101,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     job_id = resolve_job_id(cfg)
     logger.info("metrics job id: %s", job_id)
     ensure_ray(args.address)
-    result = run_job(cfg, job_id)
+    try:
+        result = run_job(cfg, job_id)
+    finally:
+        # Disconnect (or stop the private local Ray) first, so no late worker log line lands
+        # after the summary: the summary stays the last line of the job's output.
+        import ray
+
+        ray.shutdown()
     if result.ok:
         logger.info("job %s finished in %.1f s", job_id, result.wall_s)
     else:

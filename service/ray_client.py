@@ -208,10 +208,8 @@ class RayGateway:
             handle = sink_mod.find_sink(job_id)
             if handle is None:
                 return None
-            result: dict[str, Any] = ray.get(
-                handle.read.remote(after_seq, limit), timeout=self.settings.ray_timeout_s
-            )
-            return result
+            ref: ray.ObjectRef = handle.read.remote(after_seq, limit)
+            return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
         except ray.exceptions.RayActorError:
             return None  # the sink was closed between find and read
         except Exception as exc:

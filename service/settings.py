@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     prometheus_max_jobs: int = Field(20, ge=1, le=1000)
     prometheus_max_layers: int = Field(64, ge=1, le=10_000)
 
+    @field_validator("job_working_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value in ("", "none", "None") else value
+
     @field_validator("db_path", "ray_auth_token_path", "job_working_dir")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:

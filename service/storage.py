@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MIGRATIONS: tuple[str, ...] = (
-    # 1: jobs, metric records, ingest cursors.
+    # 1: jobs, metric records, ingest cursors. Float metric columns are nullable: a worker that
+    # measured NaN or inf (0/0 somewhere) still sent a record, and JSON has no NaN; NULL keeps
+    # the record (and its bytes) instead of losing it.
     """
     CREATE TABLE jobs (
         id          TEXT PRIMARY KEY,
@@ -50,11 +53,11 @@ MIGRATIONS: tuple[str, ...] = (
         layer         TEXT NOT NULL,
         numel         INTEGER NOT NULL,
         bits          INTEGER NOT NULL,
-        density       REAL NOT NULL,
+        density       REAL,
         raw_bytes     INTEGER NOT NULL,
         encoded_bytes INTEGER NOT NULL,
-        ratio         REAL NOT NULL,
-        rel_error     REAL NOT NULL,
+        ratio         REAL,
+        rel_error     REAL,
         code          TEXT NOT NULL,
         PRIMARY KEY (job_id, seq)
     ) WITHOUT ROWID;
@@ -69,13 +72,13 @@ MIGRATIONS: tuple[str, ...] = (
         bytes_sent     INTEGER NOT NULL,
         bytes_received INTEGER NOT NULL,
         raw_bytes      INTEGER NOT NULL,
-        compress_s     REAL NOT NULL,
-        decode_s       REAL NOT NULL,
-        comm_s         REAL NOT NULL,
-        step_s         REAL NOT NULL,
-        loss           REAL NOT NULL,
+        compress_s     REAL,
+        decode_s       REAL,
+        comm_s         REAL,
+        step_s         REAL,
+        loss           REAL,
         method         TEXT NOT NULL,
-        wall_time_s    REAL NOT NULL,
+        wall_time_s    REAL,
         PRIMARY KEY (job_id, seq)
     ) WITHOUT ROWID;
     CREATE INDEX step_metrics_by_step ON step_metrics (job_id, step, rank);
@@ -286,8 +289,10 @@ class Storage:
     def ingest(self, job_id: str, batch: IngestBatch) -> int:
         """Store a batch and advance the cursor in ONE transaction; returns records stored.
 
-        Records already stored (same seq) are ignored, so replaying a batch is harmless.
-        Malformed records are skipped and counted: a bad record must not wedge the cursor.
+        Records already stored (same seq) are ignored, so replaying a batch is harmless (only
+        that uniqueness conflict: ``ON CONFLICT DO NOTHING``, not ``OR IGNORE``, which would
+        also drop rows silently on NOT NULL). Malformed records are skipped and counted: a bad
+        record must not wedge the cursor. Non-finite floats are stored as NULL.
         """
         layer_rows, step_rows, skipped = [], [], 0
         for rec in batch.records:
@@ -307,15 +312,15 @@ class Storage:
             stored = 0
             if layer_rows:
                 cur = conn.executemany(
-                    f"INSERT OR IGNORE INTO layer_metrics (job_id, seq, {', '.join(LAYER_FIELDS)})"
-                    f" VALUES ({', '.join('?' * (len(LAYER_FIELDS) + 2))})",
+                    f"INSERT INTO layer_metrics (job_id, seq, {', '.join(LAYER_FIELDS)})"
+                    f" VALUES ({', '.join('?' * (len(LAYER_FIELDS) + 2))}) ON CONFLICT DO NOTHING",
                     layer_rows,
                 )
                 stored += cur.rowcount
             if step_rows:
                 cur = conn.executemany(
-                    f"INSERT OR IGNORE INTO step_metrics (job_id, seq, {', '.join(STEP_FIELDS)})"
-                    f" VALUES ({', '.join('?' * (len(STEP_FIELDS) + 2))})",
+                    f"INSERT INTO step_metrics (job_id, seq, {', '.join(STEP_FIELDS)})"
+                    f" VALUES ({', '.join('?' * (len(STEP_FIELDS) + 2))}) ON CONFLICT DO NOTHING",
                     step_rows,
                 )
                 stored += cur.rowcount
@@ -494,11 +499,15 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
     for name in fields:
         value = rec[name]
         if name in _INT_FIELDS:
-            out.append(int(value))
+            number = int(value)
+            if not -(2**63) <= number < 2**63:  # SQLite INTEGER; beyond it the whole batch would fail
+                raise ValueError(f"{name}={number} is out of range")
+            out.append(number)
         elif name in _STR_FIELDS:
             out.append(str(value))
         else:
-            out.append(float(value))
+            number = float(value)
+            out.append(number if math.isfinite(number) else None)
     return out
 
 

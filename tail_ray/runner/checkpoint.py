@@ -12,11 +12,12 @@ into one):
 Restore: every rank loads ``train_state.pt``. When the world size is unchanged, rank r
 loads ``rank{r}.pt`` and resumes exactly. When it changed (an elastic resize or a restart
 on fewer/more workers), rank-specific state has no meaning any more: every rank takes
-rank 0's hook state with its error-feedback residuals dropped (``hook.reset_residuals()``
-after loading), and reseeds its RNG from (seed, step, rank). Dropping residuals loses at
-most one step's worth of compression error per layer, which error feedback would otherwise
-have re-sent; averaging or re-sharding them across a different set of ranks has no sound
-meaning, because each residual belongs to the gradient stream one worker saw.
+rank 0's hook state with its error-feedback residuals dropped
+(``load_state_dict(..., residuals=False)``; the controller's per-layer state is kept) and
+reseeds its RNG from (seed, step, rank). Dropping residuals loses at most one step's worth
+of compression error per layer, which error feedback would otherwise have re-sent;
+averaging or re-sharding them across a different set of ranks has no sound meaning,
+because each residual belongs to the gradient stream one worker saw.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def rank_file(rank: int) -> str:
 class HookStateLike(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any], *, residuals: bool = True) -> None: ...
 
 
 @dataclass
@@ -146,11 +147,7 @@ def load_checkpoint(
     else:
         seed_everything(seed, step, rank)
     if hook is not None and rank_state.get("hook") is not None:
-        hook.load_state_dict(rank_state["hook"])
-        if not exact:
-            reset = getattr(hook, "reset_residuals", None)
-            if callable(reset):
-                reset()
+        hook.load_state_dict(rank_state["hook"], residuals=exact)
     logger.info(
         "restored step %d (saved by %d workers, now %d; %s)",
         step,

@@ -18,11 +18,12 @@ import ray.train
 import ray.train.torch
 import torch
 
+from tail_ray.collective import HookStepMetrics
 from tail_ray.metrics.client import MetricsClient
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.metrics.sink import get_or_create_sink
 from tail_ray.runner.checkpoint import load_checkpoint, save_checkpoint, seed_everything
-from tail_ray.runner.comm import Comm, StepComm
+from tail_ray.runner.comm import Comm
 from tail_ray.runner.config import JobConfig
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
@@ -45,7 +46,7 @@ def step_records(
     step: int,
     rank: int,
     world_size: int,
-    comm: StepComm,
+    comm: HookStepMetrics,
     step_s: float,
     loss: float,
 ) -> list[dict[str, Any]]:
@@ -99,7 +100,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     dataset = make_dataset(cfg.dataset, cfg.seed)
     model = ray.train.torch.prepare_model(make_model(cfg.model, dataset, cfg.seed))
     optimizer = make_optimizer(cfg, model.parameters())
-    comm = Comm(model, cfg.method, cfg.compression, world_size)
+    comm = Comm(model, cfg.method, cfg.compression, seed=cfg.seed, rank=rank)
 
     start_step, totals = 0, {"bytes_sent": 0.0, "bytes_received": 0.0, "raw_bytes": 0.0, "steps": 0.0}
     checkpoint = ray.train.get_checkpoint()
@@ -112,7 +113,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
                 seed=cfg.seed,
                 model=model,
                 optimizer=optimizer,
-                hook=comm.hook_state,
+                hook=comm.state,
             )
         start_step, totals = restored.step, {**totals, **restored.totals}
     else:
@@ -215,7 +216,7 @@ def _report(
             step=step,
             model=model,
             optimizer=optimizer,
-            hook=comm.hook_state,
+            hook=comm.state,
             totals=totals,
         )
         ray.train.report(

@@ -60,14 +60,28 @@ def resolve_job_id(cfg: JobConfig, environ: dict[str, str] | None = None) -> str
     return submission_id_from_env(environ) or generated
 
 
-def check_registries(cfg: JobConfig) -> None:
-    """Fail on the driver, before any worker starts, for names the registries do not know."""
+def validate_job(cfg: JobConfig) -> None:
+    """Fail on the driver, before any worker starts, for names the registries do not know and
+    compression settings the method rejects (inside a worker they would cost every retry)."""
+    from torch import nn
+
+    from tail_ray.collective import make_hook_state
     from tail_ray.errors import ConfigError
+    from tail_ray.runner.comm import compression_settings
 
     if cfg.model not in model_names():
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {model_names()}")
     if cfg.dataset not in dataset_names():
         raise ConfigError(f"unknown dataset {cfg.dataset!r}; choose one of {dataset_names()}")
+    settings = compression_settings(cfg.method, cfg.compression, seed=cfg.seed, rank=0)
+    try:
+        make_hook_state(nn.Linear(4, 4), cfg.method, settings)
+    except ConfigError as exc:
+        raise ConfigError(f"compression settings for method={cfg.method!r}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"compression settings {dict(cfg.compression)} for method={cfg.method!r}: {exc}"
+        ) from None
 
 
 def scaling_config(cfg: JobConfig) -> ScalingConfig:
@@ -126,7 +140,7 @@ class JobResult:
 
 def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
     """Run ``cfg`` on the connected Ray cluster (``ray.init`` must have been called)."""
-    check_registries(cfg)
+    validate_job(cfg)
     job_id = job_id or resolve_job_id(cfg)
     sink = get_or_create_sink(job_id)
     t0 = time.perf_counter()
