@@ -18,6 +18,8 @@ from deploy_support import (
     DEPLOY,
     OLDEST_K8S,
     REPO,
+    arg_defaults,
+    dockerfile,
     env_of,
     manifests,
     objects,
@@ -198,8 +200,6 @@ def test_one_image_everywhere_tagged_with_the_package_version():
 def test_ray_cluster_version_and_ports():
     cluster = ray_cluster()
     spec = cluster["spec"]
-    from deploy_support import arg_defaults, dockerfile
-
     assert spec["rayVersion"] == arg_defaults(dockerfile("Dockerfile"))["RAY_VERSION"]
     head = spec["headGroupSpec"]
     ports = ports_of(head["template"]["spec"]["containers"][0])
@@ -236,8 +236,6 @@ def test_rayjob_runs_jobs_train_on_the_cluster():
     # The entrypoint's relative config path resolves in the directory Ray was started in.
     workdirs = {pod.main.get("workingDir") for pod in pod_templates() if pod.ray_node}
     assert workdirs == {"/home/ray/tail-ray"}, workdirs
-    from deploy_support import dockerfile
-
     assert [i.args for i in dockerfile("Dockerfile") if i.keyword == "WORKDIR"] == ["/home/ray/tail-ray"]
 
 
@@ -386,3 +384,18 @@ def test_service_object_selects_the_app_pods():
     (port,) = svc["spec"]["ports"]
     target = port["targetPort"]
     assert (container_ports[target] if isinstance(target, str) else target) in container_ports.values()
+
+
+def test_jobs_from_the_service_find_their_code_in_the_image():
+    """With TAIL_RAY_JOB_WORKING_DIR empty the service ships no code with a job: its entrypoint's
+    relative config path must resolve in the Ray containers' working directory, from the image."""
+    from service.schemas import BASE_CONFIG
+
+    env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
+    if env.get("TAIL_RAY_JOB_WORKING_DIR", {}).get("value", "unset") not in ("", "none", "None"):
+        return  # the service ships its own checkout as working_dir; nothing to resolve in the image
+    assert not Path(BASE_CONFIG).is_absolute()
+    copied = {i.args.split()[-1].removeprefix("./") for i in dockerfile("Dockerfile") if i.keyword == "COPY"}
+    assert Path(BASE_CONFIG).parts[0] in copied, f"{BASE_CONFIG} is not in a directory the image copies"
+    assert (REPO / BASE_CONFIG).is_file()
+    assert {pod.main.get("workingDir") for pod in pod_templates() if pod.ray_node} == {"/home/ray/tail-ray"}

@@ -10,6 +10,7 @@ from importlib import resources
 import yaml
 from deploy_support import (
     DEPLOY,
+    env_of,
     ports_of,
     ray_cluster,
     service_deployment,
@@ -231,8 +232,6 @@ def test_alert_rules_load_and_use_exported_metrics():
 def test_prometheus_can_read_metrics_when_reads_need_the_token():
     """With TAIL_RAY_READ_REQUIRES_TOKEN=true the service guards /metrics too; the scrape job must
     then send the API token."""
-    from deploy_support import env_of
-
     env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
     guarded = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "false")).lower() in ("1", "true")
     job = _scrape_jobs()["tail-ray-service"]
