@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
     demo = sub.add_parser("demo", help="up, then digits with 'tail' and with 'none', compared side by side")
     stack_options(demo)
-    demo.add_argument("--steps", type=int, default=60, help="training steps per job (default: %(default)s)")
+    demo.add_argument("--steps", type=int, default=150, help="training steps per job (default: %(default)s)")
     demo.add_argument("--workers", type=int, default=2, help="workers per job (default: %(default)s)")
     demo.set_defaults(func=cmd_demo)
 

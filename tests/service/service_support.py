@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,6 +97,26 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+
+
+@contextmanager
+def chromium_page() -> Iterator[Any]:
+    """A page in Debian's headless Chromium driven by Playwright (never `playwright install`)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
 
 
 class LiveServer:

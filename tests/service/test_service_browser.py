@@ -3,26 +3,19 @@ Steps are driven by pushing records into the job's real sink actor."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
-from playwright.sync_api import Page, sync_playwright
-from service_support import LAYERS, LiveServer, make_settings, ray_cluster, step_records
+from playwright.sync_api import Page
+from service_support import LAYERS, LiveServer, chromium_page, make_settings, ray_cluster, step_records
 
 from service.ray_head import LocalRayHead
 from service.storage import Storage
 from tail_ray.metrics.sink import get_or_create_sink
 
 pytestmark = [pytest.mark.ray, pytest.mark.browser]
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +26,8 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
 
 @pytest.fixture(scope="module")
 def page() -> Iterator[Page]:
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000})
-        finally:
-            browser.close()
+    with chromium_page() as p:
+        yield p
 
 
 def _push(job_id: str, steps: range, ratio_scale: float) -> None:
