@@ -207,6 +207,7 @@ def running_stack(args: argparse.Namespace) -> Iterator[Api]:
         api = Api(f"http://127.0.0.1:{port}", token)
         _wait_ready(api, service)
         STATE_FILE.touch(mode=0o600)
+        STATE_FILE.chmod(0o600)  # it holds the API token; touch() keeps an older file's mode
         STATE_FILE.write_text(json.dumps({"url": api.url, "token": token}))
         print(
             f"tail-ray is up\n  dashboard    {api.url}/\n  API docs     {api.url}/docs\n"

@@ -506,8 +506,8 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
         elif name in _STR_FIELDS:
             out.append(str(value))
         else:
-            number = float(value)
-            out.append(number if math.isfinite(number) else None)
+            real = float(value)
+            out.append(real if math.isfinite(real) else None)
     return out
 
 

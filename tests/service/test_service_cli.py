@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 from service_support import wait_for
 
 from service import cli
+from service.ray_head import HeadPorts, LocalRayHead
 from service.settings import REPO_ROOT
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -102,3 +104,26 @@ def test_up_serves_the_api_and_ctrl_c_stops_what_it_started(
                     os.kill(pid, signal.SIGTERM)
             proc.kill()
             proc.wait()
+
+
+def test_a_head_whose_picked_port_was_taken_starts_on_new_ports(tmp_path: Path) -> None:
+    ports = HeadPorts.pick()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        # Someone else grabs the GCS port between our pick and Ray's bind.
+        squatter.bind(("127.0.0.1", ports.gcs))
+        squatter.listen()
+        head = LocalRayHead(ports, num_cpus=1, log_path=tmp_path / "head.log")
+        try:
+            head.start(attempts=3)
+            assert head.ports != ports
+            token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+            jobs = httpx.get(
+                f"{head.ports.dashboard_url}/api/jobs/",
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=10,
+            )
+            assert jobs.status_code == 200
+            assert head.process is not None and head.process.poll() is None
+        finally:
+            head.stop()
+    assert head.process is not None and head.process.poll() is not None
