@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,17 +34,13 @@ import httpx
 import pytest
 from deploy_support import REPO, ports_of, ray_cluster, ray_job, service_deployment
 
+from service.ray_head import free_port  # a band outside the ephemeral and Ray worker ranges
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 HEAD_START_TIMEOUT_S = 120.0
 PROBE_JOB_ID = "rayjob-digits-tail-probe"
 CLIENT_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class LocalHead:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
     token = secrets.token_hex(32)
-    ports = {"gcs-server": _free_port(), "dashboard": _free_port(), "client": _free_port()}
+    ports = {"gcs-server": free_port(), "dashboard": free_port(), "client": free_port()}
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",  # as in every Ray container of the RayCluster
@@ -78,7 +73,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
             f"--dashboard-port={ports['dashboard']}",
             "--dashboard-host=127.0.0.1",
             f"--ray-client-server-port={ports['client']}",
-            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
             "--num-cpus=1",
             "--include-dashboard=true",
             "--disable-usage-stats",
