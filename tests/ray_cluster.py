@@ -54,6 +54,7 @@ class LocalRayCluster:
     dashboard_port: int = 0
     temp_dir: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _node_procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
     _log_path: str = ""
 
     @property
@@ -65,12 +66,12 @@ class LocalRayCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self) -> LocalRayCluster:
-        ports = free_ports(9)
+        ports = free_ports(10)
         self.gcs_port, self.dashboard_port = ports[0], ports[1]
         # AF_UNIX socket paths must stay short, so a short temp dir right under /tmp.
         self.temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
         self._log_path = os.path.join(self.temp_dir, "ray-start.log")
-        worker_lo = 20000 + (ports[8] % 20000)
+        worker_lo = _worker_port_base(ports[8])
         cmd = [
             "ray", "start", "--head", "--block", "--disable-usage-stats",
             f"--num-cpus={self.num_cpus}", "--num-gpus=0",
@@ -86,6 +87,7 @@ class LocalRayCluster:
             f"--metrics-export-port={ports[5]}",
             f"--node-manager-port={ports[6]}",
             f"--object-manager-port={ports[7]}",
+            f"--ray-client-server-port={ports[9]}",
             f"--min-worker-port={worker_lo}",
             f"--max-worker-port={worker_lo + 400}",
             "--object-store-memory=200000000",
@@ -100,6 +102,32 @@ class LocalRayCluster:
         )
         self._wait_ready()
         return self
+
+    def add_worker_node(self, num_cpus: int = 1) -> None:
+        """Join one more node (same machine, own ports) to this cluster: what an elastic job
+        sees when a machine joins. Stopped with the head."""
+        ports = free_ports(7)
+        worker_lo = _worker_port_base(ports[6])
+        cmd = [
+            "ray", "start", "--block", "--disable-usage-stats",
+            f"--address={self.address}",
+            f"--num-cpus={num_cpus}", "--num-gpus=0",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={ports[0]}",
+            f"--dashboard-agent-grpc-port={ports[1]}",
+            f"--runtime-env-agent-port={ports[2]}",
+            f"--metrics-export-port={ports[3]}",
+            f"--node-manager-port={ports[4]}",
+            f"--object-manager-port={ports[5]}",
+            f"--min-worker-port={worker_lo}",
+            f"--max-worker-port={worker_lo + 400}",
+            "--object-store-memory=100000000",
+        ]  # fmt: skip
+        log = open(os.path.join(self.temp_dir, f"ray-node-{len(self._node_procs)}.log"), "wb")  # noqa: SIM115
+        env = {**auth_env(), "RAY_ADDRESS": self.address}
+        self._node_procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -130,22 +158,36 @@ class LocalRayCluster:
             return ""
 
     def stop(self) -> None:
-        """Stop every process of this head: SIGTERM to the process group our `ray start`
-        leads (start_new_session: only processes we started are in it), wait, then SIGKILL
+        """Stop every node we started: SIGTERM to the process group each `ray start` leads
+        (start_new_session: only processes we started are in it), a short grace, then SIGKILL
         whatever is left of that group. Ray's own workers (own process groups, children of
-        our raylet) exit when their raylet goes."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=STOP_GRACE_S)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+        our raylets) exit when their raylet goes."""
+        procs = [*self._node_procs, self._proc]
+        self._node_procs, self._proc = [], None
+        for proc in procs:
+            _stop_group(proc)
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the process group `proc` leads, a short grace, then SIGKILL what is left."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _worker_port_base(seed: int) -> int:
+    """A 400-port range for one node's workers, below Linux's ephemeral range (32768+) that
+    free_ports draws from, so the two never overlap."""
+    return 20000 + (seed % 30) * 410
 
 
 def _port_open(port: int) -> bool:

@@ -22,7 +22,7 @@ from tail_ray.collective import HookStepMetrics
 from tail_ray.metrics.client import MetricsClient
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.metrics.sink import get_or_create_sink
-from tail_ray.runner.checkpoint import load_checkpoint, save_checkpoint, seed_everything
+from tail_ray.runner.checkpoint import load_checkpoint, save_checkpoint, seed_everything, unwrap
 from tail_ray.runner.comm import Comm
 from tail_ray.runner.config import JobConfig
 from tail_ray.runner.datasets import make_dataset
@@ -134,7 +134,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
 
     model.train()
     loss_value = float("nan")
+    # Fault injection for recovery tests (never set by the CLI or a config): the last rank of a
+    # run that did not start from a checkpoint dies before this step.
+    fail_at_step = loop_config.get("inject_failure_at_step")
+    resumed_from_step = start_step
     for step in range(start_step, cfg.steps):
+        if fail_at_step == step and checkpoint is None and rank == world_size - 1:
+            raise RuntimeError(f"injected failure at step {step} on rank {rank}")
         t0 = time.perf_counter()
         lr = cfg.lr_at(step)
         for group in optimizer.param_groups:
@@ -178,7 +184,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
 
     final: dict[str, Any] = {"step": cfg.steps, "loss": loss_value}
     if rank == 0:
-        final.update(evaluate(model, dataset))
+        # The bare module: a DDP forward broadcasts buffers (e.g. the LM's causal mask) from
+        # rank 0, a collective the other ranks, already waiting in report(), never join.
+        final.update(evaluate(unwrap(model), dataset))
     _report(cfg, rank, world_size, cfg.steps, model, optimizer, comm, totals, final)
     metrics.close(timeout_s=METRICS_CLOSE_TIMEOUT_S)
     if rank != 0:
@@ -188,6 +196,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     return {
         **final,
         "world_size": world_size,
+        "resumed_from_step": resumed_from_step,
         "bytes_sent_per_step": sent_per_step,
         "raw_bytes_per_step": raw_per_step,
         "traffic_ratio": raw_per_step / sent_per_step if sent_per_step else None,

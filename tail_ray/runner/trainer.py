@@ -38,6 +38,7 @@ DEFAULT_STORAGE_PATH = Path.home() / "ray_results" / "tail_ray"
 # process in this variable (ray.dashboard.modules.job: JobSupervisor._get_driver_env_vars).
 RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 RAY_JOB_ID_METADATA_KEY = "job_submission_id"
+SINK_CLOSE_TIMEOUT_S = 10.0
 
 
 def submission_id_from_env(environ: dict[str, str] | None = None) -> str | None:
@@ -102,7 +103,9 @@ def scaling_config(cfg: JobConfig) -> ScalingConfig:
     )
 
 
-def build_trainer(cfg: JobConfig, job_id: str) -> TorchTrainer:
+def build_trainer(cfg: JobConfig, job_id: str, *, inject_failure_at_step: int | None = None) -> TorchTrainer:
+    """The TorchTrainer for ``cfg``. ``inject_failure_at_step`` (tests of recovery only): the
+    last rank raises before that step on a run not resumed from a checkpoint."""
     storage = cfg.storage_path or str(DEFAULT_STORAGE_PATH)
     run_config = RunConfig(
         name=job_id,
@@ -112,7 +115,11 @@ def build_trainer(cfg: JobConfig, job_id: str) -> TorchTrainer:
     )
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict(), "job_id": job_id},
+        train_loop_config={
+            "job": cfg.to_dict(),
+            "job_id": job_id,
+            "inject_failure_at_step": inject_failure_at_step,
+        },
         scaling_config=scaling_config(cfg),
         run_config=run_config,
     )
@@ -138,7 +145,9 @@ class JobResult:
         }
 
 
-def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
+def run_job(
+    cfg: JobConfig, job_id: str | None = None, *, inject_failure_at_step: int | None = None
+) -> JobResult:
     """Run ``cfg`` on the connected Ray cluster (``ray.init`` must have been called)."""
     validate_job(cfg)
     job_id = job_id or resolve_job_id(cfg)
@@ -153,15 +162,24 @@ def run_job(cfg: JobConfig, job_id: str | None = None) -> JobResult:
         cfg.max_workers,
     )
     try:
-        result = build_trainer(cfg, job_id).fit()
+        result = build_trainer(cfg, job_id, inject_failure_at_step=inject_failure_at_step).fit()
         error = None if result.error is None else str(result.error)
     except Exception as exc:  # TrainingFailedError once the retries are spent
         result, error = None, f"{type(exc).__name__}: {exc}"
     finally:
-        sink.close.remote()  # fire-and-forget: readers see the stream is complete
+        _mark_closed(sink)
     summary = dict(result.return_value or {}) if result is not None else {}
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint else None
     return JobResult(job_id, error is None, summary, checkpoint, error, time.perf_counter() - t0)
+
+
+def _mark_closed(sink: ray.actor.ActorHandle) -> None:
+    """Tell readers the stream is complete. Waited for (briefly) because the CLI disconnects
+    right after, which could drop a call still in flight; a failure here never fails the job."""
+    try:
+        ray.get(sink.close.remote(), timeout=SINK_CLOSE_TIMEOUT_S)
+    except Exception as exc:
+        logger.warning("could not mark the metrics sink closed: %s", exc)
 
 
 def ensure_ray(address: str | None) -> None:
