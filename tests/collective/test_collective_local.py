@@ -48,6 +48,14 @@ def test_register_needs_a_ddp_model():
         register_tail_hook(_model(), "none")
 
 
+def test_register_without_ddp_gives_a_local_state():
+    model = _model()
+    state = register_tail_hook(None, "fp16", model=model)
+    _backward(model)
+    compress_gradients_locally(state, model)
+    assert len(state.drain_metrics().layers) == 4
+
+
 def test_methods_are_the_documented_seven():
     assert set(METHODS) == {"none", "fp16", "bf16", "powersgd", "qsgd", "topk", "tail"}
 
