@@ -157,9 +157,10 @@ def _many_buckets_worker(rank, world_size, out_dir):
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-            exchanges.append(state.drain_metrics().exchanges)
+            metrics = state.drain_metrics()
+            exchanges.append(metrics.exchanges)
         params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-        out[method] = {"params": params, "exchanges": exchanges}
+        out[method] = {"params": params, "exchanges": exchanges, "last": metrics}
     torch.save(out, out_dir / f"rank{rank}.pt")
 
 
@@ -170,6 +171,11 @@ def test_many_buckets_every_method_no_hang_no_mismatch_ranks_in_sync(tmp_path):
     assert list(r0) == [m for m, _ in MANY_BUCKET_METHODS]
     for method, res in r0.items():
         assert res["exchanges"][-1] >= 10, f"{method}: the test needs many buckets in flight"
+        last = res["last"]
+        assert len(last.layers) == 26 and last.bytes_sent > 0
+        assert all(0.0 <= layer.rel_error < 1.0 for layer in last.layers), method
+        if method != "none":
+            assert last.bytes_sent < last.raw_bytes, method
         # Every rank applied the same averaged gradient at every step, so weights are identical.
         for name, p in res["params"].items():
             assert torch.equal(p, r1[method]["params"][name]), (method, name)

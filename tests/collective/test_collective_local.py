@@ -104,3 +104,4 @@ def test_local_powersgd_is_low_rank_with_error_feedback():
     low_rank = [s for s in met.layers if s.code.startswith("rank")]
     assert {s.layer for s in low_rank} == {"0.weight", "2.weight"}
     assert all(s.encoded_bytes < s.raw_bytes for s in low_rank)
+    assert all(0.0 < s.rel_error < 1.0 for s in low_rank)
