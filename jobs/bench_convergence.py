@@ -191,12 +191,20 @@ def _worker(rank: int, world_size: int, plan: list[tuple[str, str, str, Any, int
             Path(out_path).write_text(json.dumps(results))
 
 
-def run(tasks: list[str], methods: list[str], quick: bool, timeout_s: float) -> list[dict[str, Any]]:
+def run(
+    tasks: list[str],
+    methods: list[str],
+    quick: bool,
+    timeout_s: float,
+    tail_variants: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
+    # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
+    rows += [(f"tail*{i + 1}", "tail", variant) for i, variant in enumerate(tail_variants or [])]
     plan = [
         (t, label, method, config, TASKS[t].quick_steps if quick else TASKS[t].steps)
         for t in tasks
-        for label, method, config in METHODS
-        if label in methods or method in methods
+        for label, method, config in rows
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
@@ -249,7 +257,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
             )
         for r in rows:
             if r.get("tail_bits"):
-                print(f"tail bits chosen (share of quantized elements, 2nd half, permille): {r['tail_bits']}")
+                print(
+                    f"[{r['label']}] bits chosen (permille of quantized elements, 2nd half): {r['tail_bits']}"
+                )
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:
@@ -269,7 +279,20 @@ def main(argv: list[str] | None = None) -> None:
         help="comma list of labels or methods",
     )
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
+    parser.add_argument(
+        "--tail-variant",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="extra tail row with these settings, e.g. '{\"noise_fraction\": 0.25}' (repeatable)",
+    )
     args = parser.parse_args(argv)
+    try:
+        variants = [json.loads(v) for v in args.tail_variant]
+    except json.JSONDecodeError as exc:
+        parser.error(f"--tail-variant must be a JSON object: {exc}")
+    if any(not isinstance(v, dict) for v in variants):
+        parser.error("--tail-variant must be a JSON object of TailConfig settings")
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -280,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         bad = [m for m in methods if m not in known]
         parser.error(f"unknown method(s) {bad}; choose from {sorted(known)}")
     started = time.perf_counter()
-    results = run(tasks, methods, args.quick, args.timeout_s)
+    results = run(tasks, methods, args.quick, args.timeout_s, variants)
+    for i, variant in enumerate(variants):
+        print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
     if args.json:
