@@ -4,7 +4,8 @@ Policies decide, the controller acts: ``BudgetPolicy`` says what error a layer m
 (tau); ``BitController`` estimates nu_b for every candidate b from a sample of the layer and
 picks the smallest b with nu_b <= tau (the largest candidate when none fits: accuracy first).
 A decision is reused for ``redecide_every_steps`` steps, unless tau moved by more than
-``_TAU_MOVE`` x or the layer's gradient norm drifted past ``norm_drift`` since the decision.
+``_TAU_MOVE`` x or the layer's (smoothed) gradient norm drifted past ``norm_drift`` since the
+decision, or the compressor invalidated it (runaway residual).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class LayerPlan:
     rel_error: float  # estimated nu at ``bits`` when decided
     tau: float
     decided_step: int
-    norm: float  # gradient norm at the decision
+    norm: float  # smoothed gradient norm at the decision
 
 
 class BitController:
@@ -76,6 +77,10 @@ class BitController:
     ) -> LayerPlan:
         """The plan for this layer at this step (re-deciding when stale)."""
         self.policy.observe_norm(name, norm, step)
+        # Drift is judged on the smoothed norm: small-batch gradient norms swing by 50 % from
+        # one step to the next without the error estimate changing.
+        smooth = self.policy.smoothed_norm(name)
+        norm = smooth if smooth is not None else norm
         tau = self.policy.tau(name, step)
         plan = self.plans.get(name)
         if plan is not None and not self._stale(name, plan, step, norm, tau):
@@ -92,6 +97,10 @@ class BitController:
         self.decision_s += time.perf_counter() - t0
         self.decisions += 1
         return plan
+
+    def invalidate(self, name: str) -> None:
+        """Forget the layer's plan: the next ``plan`` call decides afresh."""
+        self.plans.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Fixed-width bit-packing of small unsigned symbols, and a variable-width bit stream.
 
 Bits are written LSB-first into little-endian bytes. Every reader checks the bytes really
@@ -21,8 +23,8 @@ def packed_bytes(count: int, width_bits: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def pack_fixed(symbols: np.ndarray, width: int, out: np.ndarray) -> None:  # pragma: no cover - jit
-    """Pack uint8 ``symbols`` at ``width`` (1..8) bits each into ``out`` (uint8, sized exactly)."""
+def pack_fixed(symbols: np.ndarray, offset: int, width: int, out: np.ndarray) -> None:  # pragma: no cover
+    """Pack ``symbols + offset`` (each in [0, 2**width)) at ``width`` (1..8) bits into ``out``."""
     n = symbols.size
     acc = np.uint64(0)
     nacc = 0
@@ -33,7 +35,7 @@ def pack_fixed(symbols: np.ndarray, width: int, out: np.ndarray) -> None:  # pra
     while i < n8:
         acc = np.uint64(0)
         for k in range(8):
-            acc |= np.uint64(symbols[i + k]) << np.uint64(k * width)
+            acc |= np.uint64(np.int64(symbols[i + k]) + offset) << np.uint64(k * width)
         for k in range(width):
             out[pos + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
         pos += width
@@ -41,7 +43,7 @@ def pack_fixed(symbols: np.ndarray, width: int, out: np.ndarray) -> None:  # pra
     acc = np.uint64(0)
     nacc = 0
     while i < n:
-        acc |= np.uint64(symbols[i]) << np.uint64(nacc)
+        acc |= np.uint64(np.int64(symbols[i]) + offset) << np.uint64(nacc)
         nacc += width
         i += 1
     while nacc > 0:

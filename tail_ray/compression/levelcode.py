@@ -1,45 +1,47 @@
 """Per-layer coding of quantized levels: pick the smallest of bit-pack, dense rANS, sparse rANS.
 
-The choice is made on sizes, never on a rule of thumb: bit-pack size is exact, rANS sizes are
-estimated from the quantised model (within a few bytes of the real stream), every entropy
-candidate whose estimate could still win is really encoded, and the smallest real body is
-kept.
+The choice is made on sizes: bit-pack size is exact; a rANS size is the ideal code length
+under the quantised table actually used plus the table's exact size (the real stream is
+within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy body that turns out
+larger than bit-pack falls back to bit-pack. One documented tie-break: sparse rANS must save
+``SPARSE_MIN_GAIN`` (1%) over the dense entropy code, which is several times faster.
 
-Bodies (the container frames them; ``n`` = numel, ``a`` = 2L + 1):
+Bodies (the container frames them; ``a`` = 2L + 1); docs/wire-format.md has the details:
     BITPACK      (level + L) packed at ceil(log2(a)) bits each, LSB-first
-    RANS         table | u16 words (rest of body)                                  see rans.py
+    RANS         table | u16 words (rest of body)                                   rans.py
+    RANS_PAIRS   table | u16 words of ceil(n/2) pair symbols (bits 2..4)            pairs.py
     SPARSE_RANS  (only when nnz > 0) slot table | level table | varint n_slot_words | slot words
-                 | varint n_level_words | level words | extra gap bits (rest)      see sparse.py
+                 | varint n_level_words | level words | extra gap bits (rest)       sparse.py
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
-from tail_ray.compression import bitpack, rans, sparse
+from tail_ray.compression import bitpack, pairs, rans, sparse
 from tail_ray.errors import CodecError
 
 # A stream may claim at most this many symbols per bit actually present, relative to its
-# model's cheapest symbol (see ``_check_capacity``): the encoder guarantees it, the decoder
+# model's cheapest symbol (see ``_capacity_ok``): the encoder guarantees it, the decoder
 # rejects anything more before allocating.
 _CAPACITY_FACTOR = 2.0
 _CAPACITY_SLACK_BITS = 256.0
-# Entropy candidates whose estimate is within this of the best real size are also encoded.
-_EST_MARGIN = 1.01
-_EST_SLACK_BYTES = 32
 
 
 class Code(IntEnum):
     RAW = 0  # the values' own bytes (RAW_F32 / RAW_F16 / legacy)
-    INT8 = 1  # levels as one byte each (version-1 payloads; no longer produced)
+    INT8 = 1  # reserved: version-1 levels as one byte each (never produced, never accepted)
     BITPACK = 2
     RANS = 3
     SPARSE_RANS = 4
     SPARSE_POS = 5  # SPARSE_F32: positions as sparse gaps, values raw f32
+    RANS_PAIRS = 6  # bits 2..4: two levels per rANS symbol, pair model derived from the sent table
 
 
 CODE_NAMES = {
@@ -49,7 +51,31 @@ CODE_NAMES = {
     Code.RANS: "rans",
     Code.SPARSE_RANS: "sparse-rans",
     Code.SPARSE_POS: "sparse-pos",
+    Code.RANS_PAIRS: "rans-pairs",
 }
+PAIR_MAX_BITS = 4  # (2L + 1)**2 <= 225 pair symbols fit a byte
+# Sparse coding must save at least this share of the dense entropy code's size to be chosen.
+SPARSE_MIN_GAIN = 0.01
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("tail_ray's level coder views int8 pairs as uint16: it needs a little-endian host")
+
+_IDENTITY = np.arange(256, dtype=np.uint8)
+
+
+@functools.cache
+def _level_values(half: int) -> np.ndarray:
+    return (np.arange(2 * half + 1) - half).astype(np.int8)
+
+
+@functools.cache
+def _pair_values(half: int) -> np.ndarray:
+    return pairs.pair_values(half)
+
+
+@functools.cache
+def _symbol_pair_values(alphabet: int) -> np.ndarray:
+    return pairs.symbol_pair_values(alphabet)
 
 
 def half_range(bits: int) -> int:
@@ -63,6 +89,9 @@ def pack_width(bits: int) -> int:
 
 
 def varint(v: int) -> bytes:
+    """Unsigned LEB128 of ``v`` (0 <= v < 2**63)."""
+    if not 0 <= v < 1 << 63:
+        raise ValueError(f"varint value {v} outside [0, 2**63)")
     out = bytearray()
     while True:
         b = v & 0x7F
@@ -101,19 +130,11 @@ class _Model:
 
 def _build_model(counts: np.ndarray) -> _Model:
     """Pick the precision (scale bits) that minimises table + estimated words."""
-    used = int(np.count_nonzero(counts))
-    lo_scale = max(rans.MIN_SCALE_BITS, math.ceil(math.log2(max(used, 1))) + 2)
-    best: _Model | None = None
-    # Up to 13 bits the decode tables stay in L1; more buys < 0.1% on peaked histograms.
-    for scale in range(min(lo_scale, 13), 14):
-        freqs = np.zeros(counts.size, dtype=np.int64)
-        rans.quantize_freqs(counts, scale, freqs)
-        table = 1 + (int(rans.table_bits(freqs)) + 7) // 8
-        est = table + 2 * (math.ceil(rans.cost_bits(counts, freqs, scale) / 16) + rans.STATE_WORDS)
-        if best is None or est < best.est_stream_bytes:
-            best = _Model(scale, freqs, table, est)
-    assert best is not None
-    return best
+    freqs = np.zeros(counts.size, dtype=np.int64)
+    scale, table, est = rans.build_model(counts, freqs)
+    if scale < 0:  # pragma: no cover - more used symbols than 2**13 slots cannot happen (<= 256)
+        raise CodecError("no frequency table fits this alphabet", field="table")
+    return _Model(int(scale), freqs, int(table), float(est))
 
 
 def _min_cost_bits(freqs: np.ndarray, scale_bits: int) -> float:
@@ -134,10 +155,10 @@ def _table(model: _Model) -> bytes:
     return table[:end].tobytes()
 
 
-def _words(symbols: np.ndarray, offset: int, model: _Model) -> tuple[bytes, int]:
-    """(u16le word bytes, n_words)."""
-    words = rans.encode(symbols, offset, model.freqs, model.scale_bits)
-    return words.astype("<u2").tobytes(), int(words.size)
+def _words(symbols: np.ndarray, offset: int, freqs: np.ndarray, scale_bits: int) -> tuple[bytes, int]:
+    """(u16le word bytes, n_words); the host is little-endian (checked at import)."""
+    words = rans.encode(symbols, offset, freqs, scale_bits)
+    return words.tobytes(), int(words.size)
 
 
 # --------------------------------------------------------------------------- encode
@@ -147,31 +168,53 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
     if not 2 <= bits <= 8:
         raise CodecError(f"bits must be 2..8 for quantized levels, got {bits}", field="bits")
-    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     half = half_range(bits)
+    levels = np.asarray(levels)
+    if levels.dtype != np.int8:
+        # A wider integer type would wrap silently in the cast: check the range first.
+        if levels.dtype.kind not in "iu":
+            raise CodecError(f"levels must be integers, got {levels.dtype}", field="levels")
+        if levels.size and (int(levels.min()) < -half or int(levels.max()) > half):
+            raise CodecError(f"levels outside [-{half}, {half}] for bits={bits}", field="levels")
+    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
     n = int(lv.size)
     counts = np.zeros(2 * half + 1, dtype=np.int64)
     slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
-    lo, hi = (int(lv.min()), int(lv.max())) if n else (0, 0)
-    if lo < -half or hi > half:
+    pair_syms = pair_counts = None
+    if bits <= PAIR_MAX_BITS:
+        nnz, extra_bits, pair_syms, pair_counts = pairs.pair_level_stats(lv, half, counts, slot_counts)
+    else:
+        nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
+    if nnz < 0:
+        lo, hi = int(lv.min()), int(lv.max())
         raise CodecError(
             f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels"
         )
-    nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
     nnz = int(nnz)
 
     width = pack_width(bits)
     candidates: dict[Code, float] = {Code.BITPACK: float(bitpack.packed_bytes(n, width))}
     dense_model = _build_model(counts) if n else None
-    if dense_model is not None:
+    pair_freqs = None
+    pair_scale = 0
+    if dense_model is not None and pair_counts is not None:
+        # Small alphabets code two levels per step (twice the speed, same order-0 size).
+        pair_scale = pairs.pair_scale_bits(dense_model.scale_bits, (n + 1) // 2)
+        status, pair_freqs = pairs.product_freqs(dense_model.freqs, dense_model.scale_bits, pair_scale)
+        if status == 0:
+            est = rans.cost_bits(pair_counts, pair_freqs, pair_scale)
+            words = math.ceil(est / 16) + rans.STATE_WORDS
+            candidates[Code.RANS_PAIRS] = dense_model.table_bytes + 2 * words
+        else:  # no valid pair table at this precision: code single levels
+            candidates[Code.RANS] = dense_model.est_stream_bytes
+    elif dense_model is not None:
         candidates[Code.RANS] = dense_model.est_stream_bytes
-    nz_counts = np.delete(counts, half)
     slot_model = level_model = None
     if nnz == 0:
         candidates[Code.SPARSE_RANS] = 0.0
     else:
         slot_model = _build_model(slot_counts)
-        level_model = _build_model(nz_counts)
+        level_model = _build_model(np.delete(counts, half))
         candidates[Code.SPARSE_RANS] = (
             slot_model.est_stream_bytes + level_model.est_stream_bytes + 4 + math.ceil(extra_bits / 8)
         )
@@ -179,23 +222,36 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     def build(code: Code) -> bytes | None:
         if code == Code.BITPACK:
             out = np.empty(bitpack.packed_bytes(n, width), dtype=np.uint8)
-            bitpack.pack_fixed((lv + half).view(np.uint8) if n else lv.view(np.uint8), width, out)
+            bitpack.pack_fixed(lv, half, width, out)
             return out.tobytes()
         if code == Code.RANS:
             assert dense_model is not None
-            words, n_words = _words(lv, half, dense_model)
+            words, n_words = _words(lv, half, dense_model.freqs, dense_model.scale_bits)
             if not _capacity_ok(n, dense_model.freqs, dense_model.scale_bits, n_words):
+                return None
+            return _table(dense_model) + words
+        if code == Code.RANS_PAIRS:
+            assert dense_model is not None and pair_syms is not None and pair_freqs is not None
+            words, n_words = _words(pair_syms, 0, pair_freqs, pair_scale)
+            if not _capacity_ok(int(pair_syms.size), pair_freqs, pair_scale, n_words):
                 return None
             return _table(dense_model) + words
         if nnz == 0:
             return b""
         assert slot_model is not None and level_model is not None
         slots, syms, extra = sparse.split_levels(lv, half, nnz, extra_bits)
-        w_slot, nw_slot = _words(slots, 0, slot_model)
-        w_lvl, nw_lvl = _words(syms, 0, level_model)
+        w_slot, nw_slot = _words(slots, 0, slot_model.freqs, slot_model.scale_bits)
+        lvl_syms, lvl_freqs, lvl_scale = syms, level_model.freqs, level_model.scale_bits
+        if bits <= PAIR_MAX_BITS:  # non-zero levels go two per step, as in rans-pairs
+            lvl_scale = pairs.pair_scale_bits(level_model.scale_bits, (nnz + 1) // 2)
+            status, lvl_freqs = pairs.product_freqs(level_model.freqs, level_model.scale_bits, lvl_scale)
+            if status < 0:
+                return None
+            lvl_syms, _ = pairs.pair_up(syms, 2 * half)
+        w_lvl, nw_lvl = _words(lvl_syms, 0, lvl_freqs, lvl_scale)
         if not (
             _capacity_ok(nnz, slot_model.freqs, slot_model.scale_bits, nw_slot)
-            and _capacity_ok(nnz, level_model.freqs, level_model.scale_bits, nw_lvl)
+            and _capacity_ok(int(lvl_syms.size), lvl_freqs, lvl_scale, nw_lvl)
         ):
             return None
         parts = (_table(slot_model), _table(level_model), varint(nw_slot), w_slot, varint(nw_lvl), w_lvl)
@@ -203,27 +259,32 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
 
     if force is not None:
         if force not in candidates:
-            raise CodecError(f"code {force.name} cannot code levels", field="code")
+            raise CodecError(f"code {force.name} is not a candidate for this layer", field="code")
         body = build(force)
         if body is None:
             raise CodecError(f"code {force.name} refused this layer (capacity rule)", field="code")
         return force, nnz, body
 
-    best_code = Code.BITPACK
-    best_body: bytes | None = None
-    best_size = candidates[Code.BITPACK]
-    for code, est in sorted(candidates.items(), key=lambda kv: kv[1]):
-        if code == Code.BITPACK:
-            continue
-        if est > best_size * _EST_MARGIN + _EST_SLACK_BYTES:
-            break
+    # Cheapest estimate first. Bit-pack sizes are exact; a rANS estimate is the ideal code
+    # length under the very table that is used, plus the table's exact size, and the real
+    # stream lands within ~0.1% + 8 bytes of it. A real entropy body larger than bit-pack
+    # falls back to bit-pack, so the result is never worse than the dense fixed-width code.
+    dense_est = min(candidates.get(Code.RANS, math.inf), candidates.get(Code.RANS_PAIRS, math.inf))
+    if Code.SPARSE_RANS in candidates and candidates[Code.SPARSE_RANS] > dense_est * (1 - SPARSE_MIN_GAIN):
+        # A near-tie (typical when zeros are scattered at random) goes to the dense code: it
+        # is several times faster at high density and within SPARSE_MIN_GAIN of the size.
+        del candidates[Code.SPARSE_RANS]
+    for code, _est in sorted(candidates.items(), key=lambda kv: kv[1]):
         body = build(code)
-        if body is not None and len(body) < best_size:
-            best_code, best_body, best_size = code, body, float(len(body))
-    if best_body is None:
-        best_body = build(Code.BITPACK)
-        assert best_body is not None
-    return best_code, nnz, best_body
+        if body is not None and (code == Code.BITPACK or len(body) <= candidates[Code.BITPACK]):
+            return code, nnz, body
+    raise AssertionError("unreachable: bit-pack always builds")  # pragma: no cover
+
+
+def candidate_codes(bits: int, numel: int) -> tuple[Code, ...]:
+    """The codes ``encode_levels`` weighs for a layer (for tests and benchmarks)."""
+    dense = Code.RANS_PAIRS if bits <= PAIR_MAX_BITS else Code.RANS
+    return (Code.BITPACK, dense, Code.SPARSE_RANS) if numel else (Code.BITPACK, Code.SPARSE_RANS)
 
 
 # --------------------------------------------------------------------------- decode
@@ -247,7 +308,7 @@ def _decode_stream(
     n_words: int,
     freqs: np.ndarray,
     scale_bits: int,
-    offset: int,
+    values: np.ndarray,
     out: np.ndarray,
     *,
     layer: str | None,
@@ -260,9 +321,9 @@ def _decode_stream(
     if int(freqs.max()) == (1 << scale_bits):  # a single symbol: the stream holds only the states
         if n_words != rans.STATE_WORDS:
             raise CodecError("single-symbol stream must hold only the states", layer=layer, field=field)
-        out[:] = int(np.argmax(freqs)) - offset
+        out[:] = values[int(np.argmax(freqs))]
         return
-    status = rans.decode(data, start, n_words, freqs, scale_bits, offset, out)
+    status = rans.decode(data, start, n_words, freqs, scale_bits, values, out)
     if status == rans.ERR_TRUNCATED:
         raise CodecError("entropy stream ends early", layer=layer, field=field)
     if status < 0:
@@ -302,8 +363,37 @@ def decode_levels(
         if not _capacity_ok(numel, freqs, scale, n_words):
             raise CodecError(f"numel {numel} cannot come from {n_words} words", layer=layer, field="numel")
         out = np.empty(numel, dtype=np.int8)
-        _decode_stream(body, pos, n_words, freqs, scale, half, out, layer=layer, field="levels")
+        _decode_stream(
+            body, pos, n_words, freqs, scale, _level_values(half), out, layer=layer, field="levels"
+        )
         return out
+    if code == Code.RANS_PAIRS:
+        if numel == 0 or bits > PAIR_MAX_BITS:
+            raise CodecError(f"rans-pairs code with numel {numel}, bits {bits}", layer=layer, field="code")
+        scale, freqs, pos = _read_model(body, 0, size, 2 * half + 1, layer=layer, field="table")
+        pair_scale = pairs.pair_scale_bits(scale, (numel + 1) // 2)
+        status, pair_freqs = pairs.product_freqs(freqs, scale, pair_scale)
+        if status < 0:
+            raise CodecError("table gives no valid pair model", layer=layer, field="table")
+        if (size - pos) % 2:
+            raise CodecError("rans word stream has odd byte length", layer=layer, field="body_len")
+        n_words = (size - pos) // 2
+        n_pairs = (numel + 1) // 2
+        if not _capacity_ok(n_pairs, pair_freqs, pair_scale, n_words):
+            raise CodecError(f"numel {numel} cannot come from {n_words} words", layer=layer, field="numel")
+        out = np.empty(2 * n_pairs, dtype=np.int8)
+        _decode_stream(
+            body,
+            pos,
+            n_words,
+            pair_freqs,
+            pair_scale,
+            _pair_values(half),
+            out.view(np.uint16),
+            layer=layer,
+            field="levels",
+        )
+        return out[:numel]
     if code == Code.SPARSE_RANS:
         if nnz > numel:
             raise CodecError(f"nnz {nnz} > numel {numel}", layer=layer, field="nnz")
@@ -325,16 +415,32 @@ def decode_levels(
             raise CodecError(f"level stream claims {nw_lvl} words", layer=layer, field="level_words")
         lvl_start = pos
         pos += 2 * nw_lvl
-        for freqs, scale, nw, what in (
-            (s_freqs, s_scale, nw_slot, "slot_words"),
-            (l_freqs, l_scale, nw_lvl, "level_words"),
+        n_lvl = nnz
+        lvl_values = _IDENTITY
+        if bits <= PAIR_MAX_BITS:  # non-zero levels were coded two per step
+            n_lvl = (nnz + 1) // 2
+            pair_scale = pairs.pair_scale_bits(l_scale, n_lvl)
+            status, l_freqs = pairs.product_freqs(l_freqs, l_scale, pair_scale)
+            if status < 0:
+                raise CodecError("level table gives no valid pair model", layer=layer, field="level_table")
+            l_scale = pair_scale
+            lvl_values = _symbol_pair_values(2 * half)
+        for freqs, scale, count, nw, what in (
+            (s_freqs, s_scale, nnz, nw_slot, "slot_words"),
+            (l_freqs, l_scale, n_lvl, nw_lvl, "level_words"),
         ):
-            if not _capacity_ok(nnz, freqs, scale, nw):
+            if not _capacity_ok(count, freqs, scale, nw):
                 raise CodecError(f"nnz {nnz} cannot come from {nw} words", layer=layer, field=what)
         slots = np.empty(nnz, dtype=np.uint8)
-        _decode_stream(body, slot_start, nw_slot, s_freqs, s_scale, 0, slots, layer=layer, field="slots")
-        syms = np.empty(nnz, dtype=np.uint8)
-        _decode_stream(body, lvl_start, nw_lvl, l_freqs, l_scale, 0, syms, layer=layer, field="levels")
+        _decode_stream(
+            body, slot_start, nw_slot, s_freqs, s_scale, _IDENTITY, slots, layer=layer, field="slots"
+        )
+        sym_buf = np.empty(2 * n_lvl if bits <= PAIR_MAX_BITS else nnz, dtype=np.uint8)
+        lvl_out: np.ndarray = sym_buf.view(np.uint16) if bits <= PAIR_MAX_BITS else sym_buf
+        _decode_stream(
+            body, lvl_start, nw_lvl, l_freqs, l_scale, lvl_values, lvl_out, layer=layer, field="levels"
+        )
+        syms = sym_buf[:nnz]
         idx = np.empty(nnz, dtype=np.int64)
         used = sparse.positions(slots, body, pos, size, numel, idx)
         if used == sparse.ERR_EXTRA_TRUNCATED:
@@ -364,7 +470,7 @@ def encode_positions(indices: np.ndarray, numel: int, *, layer: str | None = Non
         raise CodecError("indices must be strictly increasing in [0, numel)", layer=layer, field="indices")
     counts = np.bincount(slots, minlength=sparse.N_SLOTS).astype(np.int64)
     model = _build_model(counts)
-    words, n_words = _words(slots, 0, model)
+    words, n_words = _words(slots, 0, model.freqs, model.scale_bits)
     if not _capacity_ok(int(idx.size), model.freqs, model.scale_bits, n_words):  # pragma: no cover
         raise CodecError("position stream violates the capacity rule", layer=layer, field="indices")
     return _table(model) + varint(n_words) + words + extra.tobytes()
@@ -382,7 +488,7 @@ def decode_positions(body: np.ndarray, nnz: int, numel: int, *, layer: str | Non
     if not _capacity_ok(nnz, freqs, scale, n_words):
         raise CodecError(f"nnz {nnz} cannot come from {n_words} words", layer=layer, field="slot_words")
     slots = np.empty(nnz, dtype=np.uint8)
-    _decode_stream(body, pos, n_words, freqs, scale, 0, slots, layer=layer, field="slots")
+    _decode_stream(body, pos, n_words, freqs, scale, _IDENTITY, slots, layer=layer, field="slots")
     pos += 2 * n_words
     idx = np.empty(nnz, dtype=np.int64)
     used = sparse.positions(slots, body, pos, size, numel, idx)

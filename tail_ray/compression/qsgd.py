@@ -19,11 +19,9 @@ from tail_ray.bitwidth.stats import relative_errors
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
 from tail_ray.compression.quantize import (
-    _quantize_core,
-    _quantize_ef_core,
     layer_seed,
-    levels_max,
     n_buckets,
+    quantize_finite,
     sum_squares,
 )
 from tail_ray.compression.registry import register_compressor
@@ -43,7 +41,7 @@ class QSGDCompressor:
         self,
         bits: int = 4,
         bucket_size: int = 512,
-        raw_below_numel: int = 4096,
+        raw_below_numel: int = 1024,
         error_feedback: bool = False,
         seed: int | None = None,
     ) -> None:
@@ -60,16 +58,26 @@ class QSGDCompressor:
         self.feedback = ErrorFeedback()
         self._calls = 0
         self._last: list[LayerStats] = []
+        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
 
     @property
     def last_stats(self) -> list[LayerStats]:
         return self._last
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = self.compress_records(grads)
+        payload, costs = encode_payload(records)
+        self._last = [
+            layer_stats(rec, cost, err, nnz)
+            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
+        ]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
+        """The engine's part of ``compress`` (everything but the wire's encoding)."""
         self._calls += 1
         records: list[LayerRecord] = []
         extras: list[tuple[float, int | None]] = []
-        lmax = levels_max(self.bits)
         for name, tensor in grads.items():
             g = as_flat_f32(tensor)
             if g.size < max(self.raw_below_numel, 1):
@@ -95,10 +103,7 @@ class QSGDCompressor:
                     rng=self._rng,
                 )[0]
             )
-            if residual is not None:
-                nnz = _quantize_ef_core(g, residual, self.bucket_size, lmax, seed, levels, scales)
-            else:
-                nnz = _quantize_core(g, self.bucket_size, lmax, seed, levels, scales)
+            nnz = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,
@@ -111,15 +116,16 @@ class QSGDCompressor:
                 )
             )
             extras.append((rel_error, int(nnz)))
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, (err, nnz) in zip(records, costs, extras, strict=True)
-        ]
-        return payload
+        self._pending = extras
+        return records
 
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}

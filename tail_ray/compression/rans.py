@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Static-model rANS entropy coder (numba), 4 interleaved 32-bit states, 16-bit renormalisation.
 
 The model is an order-0 frequency table quantised to ``2**scale_bits`` (scale_bits 10..15) and
@@ -39,9 +41,9 @@ ERR_TABLE_TRUNCATED = -4  # frequency table runs past the bytes present
 def quantize_freqs(counts: np.ndarray, scale_bits: int, freqs: np.ndarray) -> int:  # pragma: no cover
     """Scale ``counts`` to integer ``freqs`` summing to 2**scale_bits, every used symbol >= 1.
 
-    Rounds to nearest, then fixes the sum greedily by the smallest code-length change, so the
-    table is close to the best the precision allows. Returns the number of used symbols, or
-    ERR_TABLE when more symbols are used than the precision has slots.
+    Rounds to nearest, then fixes the sum on the largest frequency when the error is small next
+    to it (the usual case), else greedily by the smallest code-length change. Returns the
+    number of used symbols, or ERR_TABLE when more symbols are used than the precision has slots.
     """
     m = 1 << scale_bits
     total = 0
@@ -65,12 +67,21 @@ def quantize_freqs(counts: np.ndarray, scale_bits: int, freqs: np.ndarray) -> in
                 f = 1
             freqs[s] = f
             fsum += f
+    # Common case: the rounding error is small next to the largest frequency, whose code
+    # length barely changes when it absorbs it (O(A) instead of the greedy O(A * error)).
+    big = 0
+    for s in range(counts.size):
+        if freqs[s] > freqs[big]:
+            big = s
+    if abs(m - fsum) * 8 <= freqs[big]:
+        freqs[big] += m - fsum
+        return used
     while fsum < m:
         best = -1
         best_gain = -1.0
         for s in range(counts.size):
             if counts[s] > 0:
-                gain = counts[s] * np.log2((freqs[s] + 1.0) / freqs[s])
+                gain = counts[s] / (freqs[s] + 0.5)  # ~ counts * ln((f + 1) / f), no log
                 if gain > best_gain:
                     best_gain = gain
                     best = s
@@ -84,7 +95,7 @@ def quantize_freqs(counts: np.ndarray, scale_bits: int, freqs: np.ndarray) -> in
         best_loss = np.inf
         for s in range(counts.size):
             if freqs[s] > 1:
-                loss = counts[s] * np.log2(freqs[s] / (freqs[s] - 1.0))
+                loss = counts[s] / (freqs[s] - 0.5)  # ~ counts * ln(f / (f - 1)), no log
                 if loss < best_loss:
                     best_loss = loss
                     best = s
@@ -263,6 +274,45 @@ def read_table(
     return scale_bits, pos
 
 
+MAX_ENCODE_SCALE_BITS = 13  # decode tables (2**13 slots) stay in L1; more buys < 0.1% here
+
+
+@njit(cache=True, nogil=True)
+def build_model(counts: np.ndarray, freqs_out: np.ndarray) -> tuple[int, int, float]:  # pragma: no cover
+    """Pick scale_bits minimising table + estimated stream; fill ``freqs_out``.
+
+    Returns (scale_bits, table_bytes incl. the scale byte, estimated stream bytes incl. table
+    and the state words). One call instead of a Python loop: small layers are dominated by
+    per-call overhead.
+    """
+    used = 0
+    for s in range(counts.size):
+        if counts[s] > 0:
+            used += 1
+    lo = MIN_SCALE_BITS
+    while (1 << (lo - 2)) < used and lo < MAX_ENCODE_SCALE_BITS:
+        lo += 1
+    if used > 32 and lo < 11:  # wide alphabets: coarse tables lose more than their header saves
+        lo = 11
+    trial = np.zeros(counts.size, dtype=np.int64)
+    best_scale = -1
+    best_table = 0
+    best_est = np.inf
+    for scale in range(lo, MAX_ENCODE_SCALE_BITS + 1):
+        if quantize_freqs(counts, scale, trial) < 0:
+            continue
+        table = 1 + (table_bits(trial) + 7) // 8
+        words = np.ceil(cost_bits(counts, trial, scale) / 16.0) + STATE_WORDS
+        est = table + 2.0 * words
+        if est < best_est:
+            best_est = est
+            best_scale = scale
+            best_table = table
+            for s in range(counts.size):
+                freqs_out[s] = trial[s]
+    return best_scale, best_table, best_est
+
+
 # --------------------------------------------------------------------------- encoder
 
 
@@ -300,6 +350,7 @@ def encode(
     """Encode ``symbols + offset`` (each must have freqs > 0); return the uint16 word stream.
 
     Four states, manually inlined: numba's tuple-returning inline helper was 4x slower.
+    Table indices are unsigned so numba emits no negative-index wraparound (30% faster).
     """
     n = symbols.size
     tab = _enc_tables(freqs, scale_bits)
@@ -320,46 +371,46 @@ def encode(
     for i in range(n - 1, n4 - 1, -1):
         j = i - n4
         if j == 0:
-            s = np.int64(symbols[i]) + offset
+            s = np.uint64(np.int64(symbols[i]) + offset)
             fl = np.int64(x0 >= xmax[s])
             out[pos - 1] = np.uint16(x0 & 0xFFFF)  # branch-free renormalisation: written always,
             pos -= fl  # kept only when the state overflows
             x0 >>= fl << 4
             x0 = x0 + bias[s] + (((x0 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
         elif j == 1:
-            s = np.int64(symbols[i]) + offset
+            s = np.uint64(np.int64(symbols[i]) + offset)
             fl = np.int64(x1 >= xmax[s])
             out[pos - 1] = np.uint16(x1 & 0xFFFF)  # branch-free renormalisation: written always,
             pos -= fl  # kept only when the state overflows
             x1 >>= fl << 4
             x1 = x1 + bias[s] + (((x1 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
         else:
-            s = np.int64(symbols[i]) + offset
+            s = np.uint64(np.int64(symbols[i]) + offset)
             fl = np.int64(x2 >= xmax[s])
             out[pos - 1] = np.uint16(x2 & 0xFFFF)  # branch-free renormalisation: written always,
             pos -= fl  # kept only when the state overflows
             x2 >>= fl << 4
             x2 = x2 + bias[s] + (((x2 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
     for i in range(n4 - 4, -1, -4):
-        s = np.int64(symbols[i + 3]) + offset
+        s = np.uint64(np.int64(symbols[i + 3]) + offset)
         fl = np.int64(x3 >= xmax[s])
         out[pos - 1] = np.uint16(x3 & 0xFFFF)  # branch-free renormalisation: written always,
         pos -= fl  # kept only when the state overflows
         x3 >>= fl << 4
         x3 = x3 + bias[s] + (((x3 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
-        s = np.int64(symbols[i + 2]) + offset
+        s = np.uint64(np.int64(symbols[i + 2]) + offset)
         fl = np.int64(x2 >= xmax[s])
         out[pos - 1] = np.uint16(x2 & 0xFFFF)  # branch-free renormalisation: written always,
         pos -= fl  # kept only when the state overflows
         x2 >>= fl << 4
         x2 = x2 + bias[s] + (((x2 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
-        s = np.int64(symbols[i + 1]) + offset
+        s = np.uint64(np.int64(symbols[i + 1]) + offset)
         fl = np.int64(x1 >= xmax[s])
         out[pos - 1] = np.uint16(x1 & 0xFFFF)  # branch-free renormalisation: written always,
         pos -= fl  # kept only when the state overflows
         x1 >>= fl << 4
         x1 = x1 + bias[s] + (((x1 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
-        s = np.int64(symbols[i]) + offset
+        s = np.uint64(np.int64(symbols[i]) + offset)
         fl = np.int64(x0 >= xmax[s])
         out[pos - 1] = np.uint16(x0 & 0xFFFF)  # branch-free renormalisation: written always,
         pos -= fl  # kept only when the state overflows
@@ -377,19 +428,24 @@ def encode(
 
 
 @njit(cache=True, nogil=True)
-def dec_tables(freqs: np.ndarray, scale_bits: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
-    """Slot -> symbol (uint8) and slot -> freq | (slot - cum) << 16 (uint32); freqs pre-validated."""
+def dec_tables(
+    freqs: np.ndarray, scale_bits: int, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - jit
+    """Slot -> output value (``values[symbol]``) and slot -> freq | (slot - cum) << 16 (uint32).
+
+    ``freqs`` is pre-validated (sums to 2**scale_bits, length <= values.size).
+    """
     m = 1 << scale_bits
-    sym = np.empty(m, dtype=np.uint8)
+    val = np.empty(m, dtype=values.dtype)
     fb = np.empty(m, dtype=np.uint32)
     cum = 0
     for s in range(freqs.size):
         f = freqs[s]
         for k in range(f):
-            sym[cum + k] = s
+            val[cum + k] = values[s]
             fb[cum + k] = np.uint32(f | (k << 16))
         cum += f
-    return sym, fb
+    return val, fb
 
 
 @njit(cache=True, nogil=True)
@@ -399,10 +455,10 @@ def decode(
     n_words: int,
     freqs: np.ndarray,
     scale_bits: int,
-    offset: int,
+    values: np.ndarray,
     out: np.ndarray,
 ) -> int:  # pragma: no cover - jit
-    """Decode ``out.size`` symbols from ``n_words`` u16le words at ``data[start:]``; store sym - offset.
+    """Decode ``out.size`` symbols from ``n_words`` u16le words at ``data[start:]``; store values[sym].
 
     The caller has checked ``start + 2 * n_words <= data.size``; this re-checks and never reads
     past it. Returns OK or ERR_*.
@@ -410,7 +466,9 @@ def decode(
     n = out.size
     if n_words < STATE_WORDS or start < 0 or start + 2 * n_words > data.size:
         return ERR_TRUNCATED
-    sym, fb = dec_tables(freqs, scale_bits)
+    if freqs.size > values.size:
+        return ERR_TABLE
+    sym, fb = dec_tables(freqs, scale_bits, values)
     mask = (1 << scale_bits) - 1
     b = start
     x0 = (
@@ -443,48 +501,53 @@ def decode(
     pos = b + 16
     end = start + 2 * n_words
     n4 = n - (n & 3)
+    # Branch-free refill: the word is always loaded (from a clamped, in-bounds index) and kept
+    # only when the state underflowed; overrunning the stream is detected after the loop.
+    last_word = end - 2
     for i in range(0, n4, 4):
-        slot = x0 & mask
-        out[i] = sym[slot] - offset
+        slot = np.uint64(x0 & mask)
+        out[i] = sym[slot]
         e = np.int64(fb[slot])
         x0 = (e & 0xFFFF) * (x0 >> scale_bits) + (e >> 16)
-        if x0 < RANS_L:
-            if pos >= end:
-                return ERR_TRUNCATED
-            x0 = (x0 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
-            pos += 2
-        slot = x1 & mask
-        out[i + 1] = sym[slot] - offset
+        fl = np.int64(x0 < RANS_L)
+        q = np.uint64(pos if pos < last_word else last_word)
+        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
+        x0 = (x0 << (fl << 4)) | (w & -fl)
+        pos += fl << 1
+        slot = np.uint64(x1 & mask)
+        out[i + 1] = sym[slot]
         e = np.int64(fb[slot])
         x1 = (e & 0xFFFF) * (x1 >> scale_bits) + (e >> 16)
-        if x1 < RANS_L:
-            if pos >= end:
-                return ERR_TRUNCATED
-            x1 = (x1 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
-            pos += 2
-        slot = x2 & mask
-        out[i + 2] = sym[slot] - offset
+        fl = np.int64(x1 < RANS_L)
+        q = np.uint64(pos if pos < last_word else last_word)
+        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
+        x1 = (x1 << (fl << 4)) | (w & -fl)
+        pos += fl << 1
+        slot = np.uint64(x2 & mask)
+        out[i + 2] = sym[slot]
         e = np.int64(fb[slot])
         x2 = (e & 0xFFFF) * (x2 >> scale_bits) + (e >> 16)
-        if x2 < RANS_L:
-            if pos >= end:
-                return ERR_TRUNCATED
-            x2 = (x2 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
-            pos += 2
-        slot = x3 & mask
-        out[i + 3] = sym[slot] - offset
+        fl = np.int64(x2 < RANS_L)
+        q = np.uint64(pos if pos < last_word else last_word)
+        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
+        x2 = (x2 << (fl << 4)) | (w & -fl)
+        pos += fl << 1
+        slot = np.uint64(x3 & mask)
+        out[i + 3] = sym[slot]
         e = np.int64(fb[slot])
         x3 = (e & 0xFFFF) * (x3 >> scale_bits) + (e >> 16)
-        if x3 < RANS_L:
-            if pos >= end:
-                return ERR_TRUNCATED
-            x3 = (x3 << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
-            pos += 2
+        fl = np.int64(x3 < RANS_L)
+        q = np.uint64(pos if pos < last_word else last_word)
+        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
+        x3 = (x3 << (fl << 4)) | (w & -fl)
+        pos += fl << 1
+    if pos > end:
+        return ERR_TRUNCATED
     for i in range(n4, n):
         j = i - n4
         x = x0 if j == 0 else (x1 if j == 1 else x2)
-        slot = x & mask
-        out[i] = sym[slot] - offset
+        slot = np.uint64(x & mask)
+        out[i] = sym[slot]
         e = np.int64(fb[slot])
         x = (e & 0xFFFF) * (x >> scale_bits) + (e >> 16)
         if x < RANS_L:

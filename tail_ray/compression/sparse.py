@@ -1,3 +1,5 @@
+# mypy: disable-error-code="assignment,return-value,arg-type"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
 """Positions of non-zero levels as gaps: a small slot alphabet (entropy coded) + raw extra bits.
 
 A gap g (zeros before the next non-zero) is sent as u = g + 1 >= 1. Values 1..7 are slots 0..6
@@ -15,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.entropy import byte_histogram
+
 N_SLOTS = 123
 DIRECT_SLOTS = 7
 
@@ -22,6 +26,7 @@ OK = 0
 ERR_EXTRA_TRUNCATED = -1  # the raw extra-bit stream ends early
 ERR_POSITION = -2  # a gap runs past numel (or indices are not strictly increasing)
 ERR_SLOT = -3  # a slot symbol outside the alphabet
+ERR_LEVEL = -4  # a level outside [-L, L] given to the encoder
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -39,52 +44,72 @@ def _slot(u: int) -> tuple[int, int, int]:  # pragma: no cover - jit
 @njit(cache=True, nogil=True)
 def level_stats(
     levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
-) -> tuple[int, int]:  # pragma: no cover
-    """One pass: histogram of ``levels + half`` into ``counts`` and of gap slots into ``slot_counts``.
+) -> tuple[int, int]:  # pragma: no cover - jit
+    """One fused pass: histogram of ``levels + half`` and of the gap slots of the non-zeros.
 
-    Returns (nnz, extra_bits). Four sub-histograms break the store-to-load dependency that a
-    peaked histogram (most levels equal) would otherwise serialise on.
+    Returns (nnz, extra_bits), or (ERR_LEVEL, 0) when a level lies outside [-half, half]
+    (checked on the byte histogram, so any int8 input is safe). Four sub-histograms (one per
+    lane) break the store-to-load chains a peaked histogram would serialise on; small gaps
+    (u < 8, the common case for dense layers) are counted without a branch.
     """
     n = levels.size
-    a = counts.size
-    h = np.zeros((4, a), dtype=np.int64)
-    n4 = n - (n & 3)
-    for i in range(0, n4, 4):
-        h[0, np.int64(levels[i]) + half] += 1
-        h[1, np.int64(levels[i + 1]) + half] += 1
-        h[2, np.int64(levels[i + 2]) + half] += 1
-        h[3, np.int64(levels[i + 3]) + half] += 1
-    for i in range(n4, n):
-        h[0, np.int64(levels[i]) + half] += 1
-    for s in range(a):
-        counts[s] = h[0, s] + h[1, s] + h[2, s] + h[3, s]
+    h = byte_histogram(levels)
+    g = np.zeros((4, 8), dtype=np.int64)  # small-gap slots 0..6; 7 = zero or large gap (ignored)
     for s in range(slot_counts.size):
         slot_counts[s] = 0
-    nnz = n - counts[half]
-    extra_bits = 0
-    if nnz == 0:
-        return 0, 0
     last = -1
-    for i in range(n):
-        if levels[i] != 0:
-            u = i - last
-            last = i
-            if u < 8:
-                slot_counts[u - 1] += 1
-            else:
-                sl, nx, _ = _slot(u)
-                slot_counts[sl] += 1
-                extra_bits += nx
-    return nnz, extra_bits
+    extra_bits = 0
+    n4 = n - (n & 3)
+    for i in range(0, n4, 4):
+        last_in = last
+        big = False
+        for k in range(4):
+            j = i + k
+            nz = levels[j] != 0
+            u = j - last
+            t = u - 1 if u < 8 else 7
+            g[k, t if nz else 7] += 1
+            big |= nz & (u >= 8)
+            last = j if nz else last
+        if big:  # rare for dense layers: count this group's large gaps exactly, off the hot path
+            last = last_in
+            for j in range(i, i + 4):
+                if levels[j] != 0:
+                    if j - last >= 8:
+                        sl, nx, _ = _slot(j - last)
+                        slot_counts[sl] += 1
+                        extra_bits += nx
+                    last = j
+    for j in range(n4, n):
+        if levels[j] != 0:
+            sl, nx, _ = _slot(j - last)
+            slot_counts[sl] += 1
+            extra_bits += nx
+            last = j
+    total = 0
+    for s in range(counts.size):
+        b = (s - half) & 0xFF
+        counts[s] = h[b]
+        total += counts[s]
+    if total != n:
+        return ERR_LEVEL, 0
+    for t in range(DIRECT_SLOTS):
+        slot_counts[t] += g[0, t] + g[1, t] + g[2, t] + g[3, t]
+    return n - counts[half], extra_bits
 
 
 @njit(cache=True, nogil=True)
 def split_levels(
     levels: np.ndarray, half: int, nnz: int, extra_bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - jit
-    """Return (slots u8[nnz], non-zero symbols u8[nnz], extra bits as bytes)."""
-    slots = np.empty(nnz, dtype=np.uint8)
-    syms = np.empty(nnz, dtype=np.uint8)
+    """Return (slots u8[nnz], non-zero symbols u8[nnz], extra bits as bytes).
+
+    Branch-free compaction: every element writes its candidate slot/symbol at index k and k
+    advances only on a non-zero (one spare entry absorbs the writes after the last one).
+    Only large gaps (u >= 8, rare inside dense regions) take a branch.
+    """
+    slots = np.empty(nnz + 1, dtype=np.uint8)
+    syms = np.empty(nnz + 1, dtype=np.uint8)
     extra = np.zeros((extra_bits + 7) // 8 + 8, dtype=np.uint8)
     acc = np.uint64(0)
     nacc = 0
@@ -93,24 +118,28 @@ def split_levels(
     last = -1
     for i in range(levels.size):
         lv = np.int64(levels[i])
-        if lv != 0:
-            sl, nx, xv = _slot(i - last)
-            last = i
-            slots[k] = sl
-            syms[k] = lv + half if lv < 0 else lv + half - 1
-            k += 1
-            if nx:
-                acc |= np.uint64(xv) << np.uint64(nacc)
-                nacc += nx
-                while nacc >= 8:
-                    extra[epos] = np.uint8(acc & np.uint64(0xFF))
-                    acc >>= np.uint64(8)
-                    nacc -= 8
-                    epos += 1
+        nz = lv != 0
+        u = i - last
+        ku = np.uint64(k)
+        syms[ku] = lv + half - (lv > 0)
+        if nz & (u >= 8):
+            sl, nx, xv = _slot(u)
+            slots[ku] = sl
+            acc |= np.uint64(xv) << np.uint64(nacc)
+            nacc += nx
+            while nacc >= 8:
+                extra[epos] = np.uint8(acc & np.uint64(0xFF))
+                acc >>= np.uint64(8)
+                nacc -= 8
+                epos += 1
+        else:
+            slots[ku] = u - 1
+        k += nz
+        last = i if nz else last
     if nacc > 0:
         extra[epos] = np.uint8(acc & np.uint64(0xFF))
         epos += 1
-    return slots, syms, extra[:epos]
+    return slots[:nnz], syms[:nnz], extra[:epos]
 
 
 @njit(cache=True, nogil=True)

@@ -31,11 +31,9 @@ from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
 from tail_ray.compression.quantize import (
-    _quantize_core,
-    _quantize_ef_core,
     layer_seed,
-    levels_max,
     n_buckets,
+    quantize_finite,
     sum_squares,
 )
 from tail_ray.compression.registry import register_compressor
@@ -48,6 +46,10 @@ log = logging.getLogger(__name__)
 # Peers' spread is measured on at most this many elements per layer (a strided view): the
 # estimate only needs to be right to a factor of ~1.5, and this keeps observe_peers cheap.
 _SPREAD_SAMPLE_NUMEL = 16384
+# With error feedback at relative error nu the residual settles at ||e||^2 = nu / (1 - nu) ||g||^2
+# (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once. An
+# unstable plan (nu ~ 2 at 2 bits) crosses it within ~3-4 steps.
+_RESIDUAL_LIMIT = 8.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ class TailConfig:
 
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
-    raw_below_numel: layers smaller than this go raw fp32 (not worth a header).
+    raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
+        header). 1024, not a few thousand: a classifier head of ~1K elements sent raw is a
+        quarter of a 15x payload (digits_cnn's fc2.weight).
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
@@ -72,16 +76,16 @@ class TailConfig:
 
     candidate_bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
     bucket_size: int = 512
-    raw_below_numel: int = 4096
+    raw_below_numel: int = 1024
     sample_numel: int | None = 4096
     redecide_every_steps: int = 20
-    norm_drift: float = 0.5
+    norm_drift: float = 1.0
     noise_fraction: float = 1.0
     tau_default: float = 0.25
     tau_min: float = 1e-3
     tau_max: float = 0.5
     warmup_steps: int = 20
-    critical_factor: float = 0.25
+    critical_factor: float = 0.5
     critical_steps: int = 50
     lr_drop_ratio: float = 0.8
     norm_jump: float = 2.0
@@ -160,6 +164,8 @@ class TailCompressor:
         # (one DDP bucket), every layer exactly once per step, so a layer's count is the step.
         self._layer_steps: dict[str, int] = {}
         self._last: list[LayerStats] = []
+        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
+        self._compression_sq: dict[str, float] = {}  # latest compression noise per element
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -172,6 +178,16 @@ class TailCompressor:
 
     # --- sending -------------------------------------------------------------------------
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = self.compress_records(grads)
+        payload, costs = encode_payload(records)
+        self._last = [
+            layer_stats(rec, cost, err, nnz)
+            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
+        ]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
+        """The engine's part of ``compress`` (everything but the wire's encoding)."""
         cfg = self.config
         records: list[LayerRecord] = []
         errors: list[float] = []
@@ -193,15 +209,23 @@ class TailCompressor:
                 nnzs.append(None)
                 continue
             residual = self.feedback.buffer(name, g.size) if cfg.error_feedback else None
+            # The residual carried in (one read of e, in cache): for the runaway guard and for
+            # observe_peers' account of what compression put into the decoded gradients.
+            e_sq = float(sum_squares(residual)) if residual is not None else 0.0
+            # Error feedback is only stable while nu < 1; a residual this far above the larger
+            # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
+            # estimate was wrong for this layer: decide again now, on g + e.
+            typical = self.controller.policy.typical_norm(name) or 0.0
+            if e_sq > _RESIDUAL_LIMIT * max(sumsq, typical * typical):
+                self.controller.invalidate(name)
             plan = self.controller.plan(name, g, residual, step, math.sqrt(sumsq))
             levels = np.empty(g.size, dtype=np.int8)
             scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
             seed = layer_seed(self._seed, step, name)
-            lmax = levels_max(plan.bits)
-            if residual is not None:
-                nnz = _quantize_ef_core(g, residual, cfg.bucket_size, lmax, seed, levels, scales)
-            else:
-                nnz = _quantize_core(g, cfg.bucket_size, lmax, seed, levels, scales)
+            # Compression's part of this worker's decoded gradient: the residual carried in plus
+            # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
+            self._compression_sq[name] = (e_sq + plan.rel_error * (sumsq + e_sq)) / g.size
+            nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,
@@ -215,16 +239,17 @@ class TailCompressor:
             )
             errors.append(plan.rel_error)
             nnzs.append(int(nnz))
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, err, nnz in zip(records, costs, errors, nnzs, strict=True)
-        ]
-        return payload
+        self._pending = list(zip(errors, nnzs, strict=True))
+        return records
 
     # --- receiving -----------------------------------------------------------------------
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
 
     # --- signals from the hook / trainer ---------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -234,8 +259,11 @@ class TailCompressor:
     def observe_peers(self, decoded_by_rank: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Between-worker spread of one bucket's decoded gradients -> relative SGD noise per layer.
 
-        r = (1/(W-1)) sum_i ||d_i - mean||^2 / mean_i ||d_i||^2, minus the relative compression
-        noise the decoded gradients already carry (the layer's estimated nu), floored at 0.
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample, minus what
+        compression put into the d_i (the residual carried in + rounding noise, measured on
+        this worker's own last compress as a proxy for every worker's), over the workers'
+        mean ||d_i||^2 less that same compression part: the relative SGD noise (see
+        BudgetPolicy.relative_noise).
         """
         world = len(decoded_by_rank)
         if world < 2:
@@ -251,13 +279,15 @@ class TailCompressor:
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
-            mean_sq = float(stack.pow(2).sum(dim=1).mean())
-            if not math.isfinite(mean_sq) or mean_sq <= 0:
-                continue
-            spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1)
-            plan = self.controller.plans.get(name)
-            compression = plan.rel_error if plan is not None else 0.0
-            policy.observe_noise(name, max(0.0, spread / mean_sq - compression))
+            n_sample = stack.shape[1]
+            spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1) / n_sample
+            mean_sq = float(stack.pow(2).sum(dim=1).mean()) / n_sample
+            # Nothing compressed here yet: all of the spread is taken as SGD noise.
+            compression = self._compression_sq.get(name, 0.0)
+            # The gradient power from all workers (decoded minus compression), not just this
+            # one's: late in training single misclassified samples make one worker's gradient
+            # 1000x another's for a step.
+            policy.observe_spread(name, spread, compression, mean_sq - compression)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

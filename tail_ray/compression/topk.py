@@ -27,7 +27,7 @@ class TopKCompressor:
     name = "topk"
 
     def __init__(
-        self, density: float = 0.01, raw_below_numel: int = 4096, error_feedback: bool = True
+        self, density: float = 0.01, raw_below_numel: int = 1024, error_feedback: bool = True
     ) -> None:
         if not (isinstance(density, int | float) and 0 < density <= 1):
             raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
@@ -36,12 +36,23 @@ class TopKCompressor:
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback()
         self._last: list[LayerStats] = []
+        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
 
     @property
     def last_stats(self) -> list[LayerStats]:
         return self._last
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = self.compress_records(grads)
+        payload, costs = encode_payload(records)
+        self._last = [
+            layer_stats(rec, cost, err, nnz)
+            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
+        ]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
+        """The engine's part of ``compress`` (everything but the wire's encoding)."""
         records: list[LayerRecord] = []
         extras: list[tuple[float, int | None]] = []
         for name, tensor in grads.items():
@@ -73,15 +84,16 @@ class TopKCompressor:
                 )
             )
             extras.append(((total - kept) / total if total > 0 else 0.0, k))
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, (err, nnz) in zip(records, costs, extras, strict=True)
-        ]
-        return payload
+        self._pending = extras
+        return records
 
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}

@@ -135,10 +135,13 @@ def encode_payload(records: list[LayerRecord]) -> tuple[bytes, list[EncodedLayer
             raise CodecError(f"name is {len(name)} bytes, max {MAX_NAME_BYTES}", layer=rec.name, field="name")
         if not 0 <= rec.numel <= MAX_NUMEL:
             raise CodecError(f"numel {rec.numel} outside [0, {MAX_NUMEL}]", layer=rec.name, field="numel")
-        code, nnz, body = _body_for(rec)
+        if not 0 <= rec.bits <= 255 or not 0 <= rec.bucket_size <= MAX_BUCKET_SIZE:
+            raise CodecError(
+                f"bits {rec.bits} / bucket_size {rec.bucket_size} out of range", layer=rec.name, field="bits"
+            )
         scales = b""
         n_scales = 0
-        if rec.kind == Kind.QUANT:
+        if rec.kind == Kind.QUANT:  # check the framing before spending time on the levels
             if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:
                 raise CodecError(
                     f"bucket_size {rec.bucket_size} out of range", layer=rec.name, field="bucket_size"
@@ -151,6 +154,7 @@ def encode_payload(records: list[LayerRecord]) -> tuple[bytes, list[EncodedLayer
                     field="scales",
                 )
             scales, n_scales = sc.tobytes(), int(sc.size)
+        code, nnz, body = _body_for(rec)
         chunk = b"".join(
             (
                 struct.pack("<H", len(name)),

@@ -159,3 +159,35 @@ def test_levels_are_within_bits():
         if rec.levels is not None:
             assert np.abs(rec.levels.astype(int)).max() <= levels_max(rec.bits)
             assert math.isfinite(float(rec.scales.sum()))
+
+
+def test_a_wrong_plan_whose_residual_grows_is_redecided_at_once():
+    """Pin a layer to an unstable 2-bit plan (nu ~ 2 > 1): error feedback would then grow the
+    residual without bound; the compressor notices from the residual and decides again."""
+    comp = TailCompressor(TailConfig(seed=0, warmup_steps=0, redecide_every_steps=1000))
+    g = _grads(0)
+    comp.compress(g)
+    plan = comp.controller.plans["fc1.weight"]
+    plan.bits = 2  # as if the sampled estimate had been badly wrong
+    decisions = comp.controller.decisions
+    for step in range(1, 9):
+        comp.compress(_grads(step))
+    assert comp.controller.decisions > decisions
+    assert comp.controller.plans["fc1.weight"].bits > 2
+    e = comp.feedback.buffer("fc1.weight", 128 * 512)
+    assert float(np.sum(e.astype(np.float64) ** 2)) < 8 * float(g["fc1.weight"].pow(2).sum())
+
+
+def test_noise_estimate_is_not_fooled_by_compression_and_residuals():
+    """Two workers with IDENTICAL gradients: all the spread of their decoded gradients comes
+    from compression (independent rounding, different residuals); the SGD-noise estimate
+    must stay near 0 instead of reading that spread as noise."""
+    gen = torch.Generator().manual_seed(3)
+    comps = [TailCompressor(TailConfig(seed=s, candidate_bits=(3,))) for s in (1, 2)]
+    for _ in range(30):
+        g = {"w": torch.randn(65536, generator=gen) * 1e-2}
+        decoded = [c.decompress(c.compress(g)) for c in comps]
+        for c in comps:
+            c.observe_peers(decoded)
+    r = comps[0].controller.policy.relative_noise("w")
+    assert r is not None and r < 0.1  # uncorrected, it would read ~0.7 (nu + residual ~ 0.3 + 0.4)

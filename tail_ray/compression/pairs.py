@@ -1,0 +1,204 @@
+# mypy: disable-error-code="assignment,return-value"
+# (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
+"""Two levels per rANS symbol for small alphabets (bits 2..4: at most 15 * 15 = 225 pairs).
+
+Coding pairs halves the number of (serial) rANS steps. The pair model is NOT sent: encoder
+and decoder both derive it from the single-level table with integer arithmetic only (product
+of the two marginal frequencies, rescaled, every possible pair >= 1, the rounding remainder on
+the most frequent pair), so it is bit-identical on every machine and costs no header bytes.
+Its code length is the order-0 one of the levels, up to the pair table's rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tail_ray.compression.sparse import _slot
+
+MAX_PAIR_SCALE_BITS = 14
+MIN_PAIR_SCALE_BITS = 12
+ERR_PAIR_TABLE = -1
+
+
+def pair_scale_bits(single_scale_bits: int, n_pairs: int) -> int:
+    """Pair table precision: 2**14, less for small layers (building the decode table is O(2**s)).
+
+    Depends only on what the decoder knows (the sent table's scale and numel).
+    """
+    size_bits = max(MIN_PAIR_SCALE_BITS, int(n_pairs).bit_length() + 2)
+    return min(MAX_PAIR_SCALE_BITS, 2 * single_scale_bits, size_bits)
+
+
+@njit(cache=True, nogil=True)
+def pair_symbols(levels: np.ndarray, half: int) -> tuple[int, np.ndarray, np.ndarray]:  # pragma: no cover
+    """(status, pair symbol (l0 + L) * A + (l1 + L) per two levels, pair histogram).
+
+    An odd last level is paired with itself (a pair the model surely has); the decoder drops
+    the copy. Levels outside [-L, L] give status -1.
+    """
+    n = levels.size
+    a = 2 * half + 1
+    n2 = (n + 1) // 2
+    syms = np.empty(n2, dtype=np.uint8)
+    h = np.zeros((2, a * a), dtype=np.int64)
+    bad = False
+    for k in range(n // 2):
+        x = np.int64(levels[2 * k]) + half
+        y = np.int64(levels[2 * k + 1]) + half
+        bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
+        s = x * a + y
+        s = s if 0 <= s < a * a else 0
+        syms[k] = s
+        h[k & 1, s] += 1
+    if n & 1:
+        x = np.int64(levels[n - 1]) + half
+        bad |= (x < 0) | (x >= a)
+        s = x * a + x if 0 <= x < a else 0
+        syms[n2 - 1] = s
+        h[0, s] += 1
+    if bad:
+        return ERR_PAIR_TABLE, syms, h[0]
+    return 0, syms, h[0] + h[1]
+
+
+@njit(cache=True, nogil=True)
+def product_freqs(f1: np.ndarray, scale1: int, scale2: int) -> tuple[int, np.ndarray]:  # pragma: no cover
+    """Integer-only pair table summing to 2**scale2 from a single table summing to 2**scale1."""
+    a = f1.size
+    shift = 2 * scale1 - scale2
+    pf = np.zeros(a * a, dtype=np.int64)
+    if shift < 0:
+        return ERR_PAIR_TABLE, pf
+    total = 0
+    best = 0
+    for x in range(a):
+        for y in range(a):
+            if f1[x] > 0 and f1[y] > 0:
+                v = (f1[x] * f1[y]) >> shift
+                if v < 1:
+                    v = 1
+                pf[x * a + y] = v
+                total += v
+                if v > pf[best]:
+                    best = x * a + y
+    pf[best] += (1 << scale2) - total
+    if pf[best] < 1:
+        return ERR_PAIR_TABLE, pf
+    return 0, pf
+
+
+def pair_values(half: int) -> np.ndarray:
+    """uint16 output value of each pair symbol: first level in the low byte (little-endian view)."""
+    a = 2 * half + 1
+    lv = (np.arange(a) - half).astype(np.int8).view(np.uint8).astype(np.uint16)
+    return (lv[:, None] | (lv[None, :] << 8)).reshape(-1).astype(np.uint16)
+
+
+@njit(cache=True, nogil=True)
+def pair_level_stats(
+    levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
+) -> tuple[int, int, np.ndarray, np.ndarray]:  # pragma: no cover - jit
+    """``sparse.level_stats`` and ``pair_symbols`` fused in one pass over the levels.
+
+    Returns (nnz or -1 for a level outside [-L, L], extra_bits, pair symbols, pair histogram)
+    and fills the single-level ``counts`` (the pair histogram's marginals) and ``slot_counts``.
+    """
+    n = levels.size
+    a = 2 * half + 1
+    n2 = (n + 1) // 2
+    syms = np.empty(n2, dtype=np.uint8)
+    h = np.zeros((2, a * a), dtype=np.int64)
+    g = np.zeros((4, 8), dtype=np.int64)  # small-gap slots 0..6; 7 = zero or large gap (ignored)
+    for s in range(slot_counts.size):
+        slot_counts[s] = 0
+    last = -1
+    extra_bits = 0
+    bad = False
+    n4 = n - (n & 3)
+    for i in range(0, n4, 4):
+        last_in = last
+        big = False
+        for p in range(2):
+            j = i + 2 * p
+            x = np.int64(levels[j]) + half
+            y = np.int64(levels[j + 1]) + half
+            bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
+            s = x * a + y
+            s = s if 0 <= s < a * a else 0
+            syms[j >> 1] = s
+            h[p, s] += 1
+        for k in range(4):
+            j = i + k
+            nz = levels[j] != 0
+            u = j - last
+            t = u - 1 if u < 8 else 7
+            g[k, t if nz else 7] += 1
+            big |= nz & (u >= 8)
+            last = j if nz else last
+        if big:  # rare for dense layers: count this group's large gaps exactly, off the hot path
+            last = last_in
+            for j in range(i, i + 4):
+                if levels[j] != 0:
+                    if j - last >= 8:
+                        sl, nx, _ = _slot(j - last)
+                        slot_counts[sl] += 1
+                        extra_bits += nx
+                    last = j
+    for j in range(n4, n):
+        if levels[j] != 0:
+            sl, nx, _ = _slot(j - last)
+            slot_counts[sl] += 1
+            extra_bits += nx
+            last = j
+    for j in range(n4, n, 2):  # the last one or two pairs; an odd last level pairs with itself
+        x = np.int64(levels[j]) + half
+        y = np.int64(levels[j + 1]) + half if j + 1 < n else x
+        bad |= (x < 0) | (x >= a) | (y < 0) | (y >= a)
+        s = x * a + y
+        s = s if 0 <= s < a * a else 0
+        syms[j >> 1] = s
+        h[0, s] += 1
+    if bad:
+        return -1, 0, syms, h[0]
+    pc = h[0] + h[1]
+    for v in range(a):
+        counts[v] = 0
+    for x in range(a):
+        for y in range(a):
+            counts[x] += pc[x * a + y]
+            counts[y] += pc[x * a + y]
+    if n & 1:
+        counts[np.int64(levels[n - 1]) + half] -= 1  # the padding copy is not a level
+    for t in range(7):
+        slot_counts[t] += g[0, t] + g[1, t] + g[2, t] + g[3, t]
+    return n - counts[half], extra_bits, syms, pc
+
+
+@njit(cache=True, nogil=True)
+def pair_up(symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """Pair uint8 symbols (< alphabet, alphabet**2 <= 256): s0 * alphabet + s1, plus the histogram.
+
+    An odd last symbol pairs with itself. Symbols >= alphabet are clamped (callers pass valid
+    symbols; the clamp only keeps the histogram write in bounds).
+    """
+    n = symbols.size
+    n2 = (n + 1) // 2
+    out = np.empty(n2, dtype=np.uint8)
+    h = np.zeros(alphabet * alphabet, dtype=np.int64)
+    top = alphabet - 1
+    for k in range(n2):
+        x = np.int64(symbols[2 * k])
+        x = x if x < top else top
+        y = np.int64(symbols[2 * k + 1]) if 2 * k + 1 < n else x
+        y = y if y < top else top
+        s = x * alphabet + y
+        out[k] = s
+        h[np.uint64(s)] += 1
+    return out, h
+
+
+def symbol_pair_values(alphabet: int) -> np.ndarray:
+    """uint16 output of each pair symbol when the pair stands for two raw uint8 symbols."""
+    a = np.arange(alphabet, dtype=np.uint16)
+    return (a[:, None] | (a[None, :] << 8)).reshape(-1).astype(np.uint16)

@@ -1,0 +1,168 @@
+"""Fuzz the decoder: random and mutated payloads give CodecError or a valid result, quickly.
+
+Every example runs with ``max_numel`` as a real receiver would pass it (it knows its model),
+so no mutated numel can make a test allocate more than a few MB.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tail_ray.compression.levelcode import candidate_codes, decode_levels, encode_levels, varint
+from tail_ray.compression.wire import MAGIC, VERSION, Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.errors import CodecError
+
+MAX_NUMEL = 1 << 22
+FUZZ = settings(
+    max_examples=150,
+    deadline=2000,  # ms per example: a hang or a runaway loop fails the test
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+def _valid_payloads() -> list[bytes]:
+    rng = np.random.default_rng(3)
+    dense = np.clip(np.round(rng.standard_normal(3000) * 1.3), -7, 7).astype(np.int8)
+    sparse = np.zeros(5000, np.int8)
+    sparse[rng.choice(5000, 40, replace=False)] = 1
+    out = []
+    for levels, bits in ((dense, 4), (sparse, 2), (rng.integers(-127, 128, 200).astype(np.int8), 8)):
+        n = levels.size
+        scales = rng.random(-(-n // 256)).astype(np.float32)
+        records = [
+            LayerRecord("w", n, Kind.QUANT, bits, 256, scales, levels),
+            LayerRecord("b", 3, Kind.RAW_F32, values=np.array([1.0, np.nan, np.inf], np.float32)),
+            LayerRecord(
+                "t", 1000, Kind.SPARSE_F32, indices=np.arange(3, 1000, 97), values=np.ones(11, np.float32)
+            ),
+        ]
+        out.append(encode_payload(records)[0])
+    return out
+
+
+VALID = _valid_payloads()
+
+
+def _warm_up_every_kernel() -> None:
+    """Compile (or load from numba's cache) every decode path before the timed examples run."""
+    levels = np.array([0, 1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, -2, 0], np.int8)
+    for bits in (3, 6):
+        for code in candidate_codes(bits, levels.size):
+            _, nnz, body = encode_levels(levels, bits, force=code)
+            decode_levels(code, np.frombuffer(body, np.uint8), levels.size, bits, nnz, layer="warm-up")
+    for payload in VALID:
+        decode_payload(payload)
+
+
+_warm_up_every_kernel()
+
+
+def _check(payload: bytes) -> None:
+    start = time.perf_counter()
+    try:
+        records = decode_payload(payload, max_numel=MAX_NUMEL)
+    except CodecError as exc:
+        assert exc.field is not None  # every error names the field where decoding stopped
+        return
+    finally:
+        assert time.perf_counter() - start < 2.0
+    for rec in records:  # a result that decodes must be internally consistent
+        if rec.kind == Kind.QUANT:
+            assert rec.levels is not None and rec.levels.size == rec.numel
+            half = (1 << (rec.bits - 1)) - 1
+            if rec.numel:
+                assert -half <= int(rec.levels.min()) and int(rec.levels.max()) <= half
+            assert rec.scales is not None and rec.scales.size == -(-rec.numel // rec.bucket_size)
+        elif rec.kind == Kind.SPARSE_F32:
+            assert rec.indices is not None and rec.values is not None
+            assert rec.indices.size == rec.values.size
+            if rec.indices.size:
+                assert (
+                    np.all(np.diff(rec.indices) > 0) and rec.indices[0] >= 0 and rec.indices[-1] < rec.numel
+                )
+        else:
+            assert rec.values is not None and rec.values.size == rec.numel
+
+
+def test_valid_payloads_decode() -> None:
+    for payload in VALID:
+        _check(payload)
+        assert len(decode_payload(payload)) == 3
+
+
+@FUZZ
+@given(st.binary(max_size=3000))
+def test_random_bytes(data: bytes) -> None:
+    _check(data)
+
+
+@FUZZ
+@given(st.binary(max_size=3000), st.integers(0, 3))
+def test_random_bytes_behind_a_valid_header(data: bytes, n_layers: int) -> None:
+    _check(struct.pack("<4sBBHI", MAGIC, VERSION, 0, 0, n_layers) + data)
+
+
+@FUZZ
+@given(
+    st.sampled_from(range(len(VALID))),
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 7)), min_size=1, max_size=8),
+)
+def test_bit_flips(which: int, flips: list[tuple[int, int]]) -> None:
+    bad = bytearray(VALID[which])
+    for at, bit in flips:
+        bad[at % len(bad)] ^= 1 << bit
+    _check(bytes(bad))
+
+
+@FUZZ
+@given(st.sampled_from(range(len(VALID))), st.integers(0, 1 << 20))
+def test_truncation(which: int, cut: int) -> None:
+    payload = VALID[which]
+    _check(payload[: cut % len(payload)])
+
+
+def _varint_offsets(payload: bytes) -> list[tuple[int, int]]:
+    """(offset, length) of numel, bucket_size, n_scales, nnz, body_len of the first layer."""
+    pos = 12
+    name_len = payload[pos] | payload[pos + 1] << 8
+    pos += 2 + name_len + 4
+    out = []
+    for _ in range(5):
+        start = pos
+        while payload[pos] & 0x80:
+            pos += 1
+        pos += 1
+        out.append((start, pos - start))
+    return out
+
+
+@FUZZ
+@given(st.sampled_from(range(len(VALID))), st.integers(0, 4), st.integers(0, 1 << 40))
+def test_edited_length_fields(which: int, field_no: int, value: int) -> None:
+    payload = VALID[which]
+    start, length = _varint_offsets(payload)[field_no]
+    _check(payload[:start] + varint(value) + payload[start + length :])
+
+
+@FUZZ
+@given(st.sampled_from(range(len(VALID))), st.integers(0, 255), st.integers(0, 1 << 20))
+def test_overwritten_byte_anywhere(which: int, value: int, at: int) -> None:
+    bad = bytearray(VALID[which])
+    bad[at % len(bad)] = value
+    _check(bytes(bad))
+
+
+@pytest.mark.parametrize("version", [0, 1, VERSION + 1, 255])
+def test_wrong_version(version: int) -> None:
+    bad = bytearray(VALID[0])
+    bad[4] = version
+    with pytest.raises(CodecError) as err:
+        decode_payload(bytes(bad))
+    assert err.value.field == "version"

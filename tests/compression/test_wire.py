@@ -1,0 +1,181 @@
+"""Lossless round trips through the wire container, for every kind and code."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tail_ray.compression.wire import (
+    VERSION,
+    EncodedLayer,
+    Kind,
+    LayerRecord,
+    decode_payload,
+    encode_payload,
+)
+from tail_ray.errors import CodecError
+
+RNG = np.random.default_rng(20261129)
+
+
+def quant(name: str, levels: np.ndarray, bits: int, bucket: int = 128) -> LayerRecord:
+    n = int(levels.size)
+    scales = RNG.random(-(-n // bucket)).astype(np.float32)
+    return LayerRecord(name, n, Kind.QUANT, bits, bucket, scales, levels.astype(np.int8))
+
+
+def peaked(n: int, bits: int, spread: float = 0.25) -> np.ndarray:
+    half = (1 << (bits - 1)) - 1
+    return np.clip(np.round(RNG.standard_normal(n) * max(spread * half, 0.6)), -half, half).astype(np.int8)
+
+
+def roundtrip(records: list[LayerRecord]) -> tuple[list[LayerRecord], list[EncodedLayer], bytes]:
+    payload, costs = encode_payload(records)
+    return decode_payload(payload), costs, payload
+
+
+def assert_same(a: LayerRecord, b: LayerRecord) -> None:
+    assert (a.name, a.numel, a.kind) == (b.name, b.numel, b.kind)
+    for attr in ("levels", "scales", "values", "indices"):
+        x, y = getattr(a, attr), getattr(b, attr)
+        if x is None:
+            assert y is None, attr
+        else:
+            assert y is not None, attr
+            assert np.asarray(x).tobytes() == np.asarray(y).astype(np.asarray(x).dtype).tobytes(), attr
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_every_bit_width_round_trips_dense_and_sparse_and_edges(bits: int) -> None:
+    half = (1 << (bits - 1)) - 1
+    sparse = np.zeros(50_000, dtype=np.int8)
+    where = RNG.choice(sparse.size, 200, replace=False)
+    sparse[where] = RNG.choice([-half, -1, 1, half], where.size)
+    extremes = RNG.choice([-half, half], 3000).astype(np.int8)
+    records = [
+        quant("dense", peaked(20_000, bits), bits),
+        quant("sparse", sparse, bits),
+        quant("zeros", np.zeros(10_000, np.int8), bits),
+        quant("one", np.array([half], np.int8), bits),
+        quant("empty", np.zeros(0, np.int8), bits),
+        quant("extremes", extremes, bits),
+        quant("uniform", RNG.integers(-half, half + 1, 5000).astype(np.int8), bits),
+    ]
+    decoded, costs, payload = roundtrip(records)
+    for a, b in zip(records, decoded, strict=True):
+        assert_same(a, b)
+        assert b.levels is not None and b.levels.dtype == np.int8
+    assert sum(c.encoded_bytes for c in costs) + 12 == len(payload)  # every byte is attributed
+    assert [c.nnz for c in costs] == [int(np.count_nonzero(r.levels)) for r in records]
+
+
+def test_large_layer_round_trips() -> None:
+    lv = peaked(1 << 20, 4)
+    decoded, costs, _ = roundtrip([quant("big", lv, 4, bucket=512)])
+    assert np.array_equal(decoded[0].levels, lv)
+    assert costs[0].code in ("rans-pairs", "sparse-rans")  # near-equal sizes on iid levels
+
+
+def test_all_zero_layer_costs_almost_nothing() -> None:
+    decoded, costs, _ = roundtrip([quant("z", np.zeros(1 << 20, np.int8), 3, bucket=1 << 20)])
+    assert not decoded[0].levels.any()
+    assert costs[0].code == "sparse-rans"
+    assert costs[0].encoded_bytes < 32  # header share + one scale, empty body
+
+
+def test_raw_f32_passes_nan_and_inf_bit_exactly() -> None:
+    # NaN with a payload and a sign, signalling NaN bits, +-Inf, -0.0, denormal: the container
+    # never inspects float values, so every bit pattern comes back unchanged.
+    bits = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 1], np.uint32)
+    values = bits.view(np.float32)
+    decoded, costs, _ = roundtrip([LayerRecord("raw", values.size, Kind.RAW_F32, values=values)])
+    assert decoded[0].values is not None
+    assert decoded[0].values.view(np.uint32).tolist() == bits.tolist()
+    assert costs[0].code == "raw"
+
+
+def test_raw_f16_and_scales_with_nonfinite_pass_through() -> None:
+    vals = np.array([1.0, np.inf, -2.5, 0.0], np.float16)
+    lv = peaked(300, 4)
+    rec = quant("q", lv, 4, bucket=100)
+    assert rec.scales is not None
+    rec.scales[1] = np.nan
+    decoded, _, _ = roundtrip([LayerRecord("h", 4, Kind.RAW_F16, values=vals), rec])
+    assert decoded[0].values is not None
+    assert decoded[0].values.tolist() == vals.astype(np.float32).tolist()
+    assert decoded[1].scales is not None and np.isnan(decoded[1].scales[1])
+    assert np.array_equal(decoded[1].levels, lv)
+
+
+def test_topk_indices_are_coded_compactly_and_exactly() -> None:
+    n = 200_000
+    idx = np.sort(RNG.choice(n, 2000, replace=False)).astype(np.int64)
+    vals = RNG.standard_normal(idx.size).astype(np.float32)
+    vals[0] = np.nan
+    decoded, costs, _ = roundtrip([LayerRecord("t", n, Kind.SPARSE_F32, indices=idx, values=vals)])
+    assert np.array_equal(decoded[0].indices, idx)
+    assert decoded[0].values is not None and decoded[0].values.tobytes() == vals.tobytes()
+    assert costs[0].code == "sparse-pos"
+    # positions cost a little over log2(C(n, k)) (~8.1 bits each here), far below 8 raw bytes
+    log2_choose = (math.lgamma(n + 1) - math.lgamma(2001) - math.lgamma(n - 1999)) / math.log(2)
+    assert costs[0].encoded_bytes - 4 * idx.size < 1.05 * log2_choose / 8 + 64
+
+
+def test_topk_rejects_unsorted_indices() -> None:
+    rec = LayerRecord("t", 10, Kind.SPARSE_F32, indices=np.array([3, 2]), values=np.ones(2, np.float32))
+    with pytest.raises(CodecError) as err:
+        encode_payload([rec])
+    assert (err.value.layer, err.value.field) == ("t", "indices")
+
+
+@pytest.mark.parametrize("bits", [0, 1, 9])
+def test_bits_outside_2_to_8_are_rejected_clearly(bits: int) -> None:
+    with pytest.raises(CodecError, match="bits") as err:
+        encode_payload([quant("q", np.zeros(10, np.int8), bits)])
+    assert err.value.layer == "q"
+
+
+def test_level_outside_range_is_rejected_not_wrapped() -> None:
+    with pytest.raises(CodecError, match="outside") as err:
+        encode_payload([quant("q", np.array([0, 2, -1], np.int8), 2)])
+    assert (err.value.layer, err.value.field) == ("q", "levels")
+
+
+def test_wide_integer_levels_are_range_checked_before_the_int8_cast() -> None:
+    wide = np.array([0, 1, 200], np.int32)  # 200 would wrap to -56, inside [-127, 127]
+    with pytest.raises(CodecError, match="outside") as err:
+        encode_payload([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), wide)])
+    assert err.value.layer == "w"
+    ok = np.array([0, 1, -127], np.int64)
+    decoded, _, _ = roundtrip([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), ok)])
+    assert decoded[0].levels is not None and decoded[0].levels.tolist() == [0, 1, -127]
+
+
+@pytest.mark.parametrize(("bits", "bucket"), [(-1, 0), (256, 0), (0, -5)])
+def test_out_of_range_header_fields_are_codec_errors(bits: int, bucket: int) -> None:
+    rec = LayerRecord("r", 2, Kind.RAW_F32, bits=bits, bucket_size=bucket, values=np.ones(2, np.float32))
+    with pytest.raises(CodecError) as err:
+        encode_payload([rec])
+    assert err.value.layer == "r"
+
+
+def test_wrong_version_and_trailing_bytes_are_codec_errors() -> None:
+    payload, _ = encode_payload([quant("q", peaked(100, 3), 3)])
+    bad = bytearray(payload)
+    bad[4] = VERSION + 1
+    with pytest.raises(CodecError) as err:
+        decode_payload(bytes(bad))
+    assert err.value.field == "version"
+    with pytest.raises(CodecError) as err:
+        decode_payload(payload + b"\0")
+    assert err.value.field == "trailer"
+
+
+def test_max_numel_bounds_the_receiver() -> None:
+    payload, _ = encode_payload([quant("z", np.zeros(5000, np.int8), 2)])
+    with pytest.raises(CodecError) as err:
+        decode_payload(payload, max_numel=4999)
+    assert (err.value.layer, err.value.field) == ("z", "numel")
+    assert decode_payload(payload, max_numel=5000)[0].numel == 5000
