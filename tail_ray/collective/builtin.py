@@ -10,6 +10,7 @@ Traffic of all-reduce is counted with the ring model (transport.ring_allreduce_b
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
 # annotations with dist.GradBucket / Future[Tensor] objects, not strings.
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -136,8 +137,33 @@ def _powersgd_layer(state: PowerSGDState, name: str, g: torch.Tensor, compressin
     r = min(n, m, state.matrix_approximation_rank)
     low_rank = compressing and (n + m) * r * state.min_compression_rate < n * m
     if low_rank:
-        return LayerStats(name, g.numel(), 32, 1.0, 4 * g.numel(), 4 * (n + m) * r, float("nan"), f"rank{r}")
+        # rel_error is filled in once the approximation is known (_with_powersgd_errors).
+        return LayerStats(name, g.numel(), 32, 1.0, 4 * g.numel(), 4 * (n + m) * r, 0.0, f"rank{r}")
     return LayerStats(name, g.numel(), 32, 1.0, 4 * g.numel(), 4 * g.numel(), 0.0, "fp32")
+
+
+def _with_powersgd_errors(
+    layers: list[LayerStats], grads: list[torch.Tensor], output: torch.Tensor, residual: torch.Tensor
+) -> list[LayerStats]:
+    """rel_error of each low-rank layer: ||input - output||^2 / ||input||^2 on this rank.
+
+    ``input`` is what PowerSGD approximated here (gradient + fed-back error) and ``output``
+    the averaged low-rank result: so this is the relative size of PowerSGD's own residual,
+    which includes the spread between workers' gradients as well as the low-rank error.
+    """
+    out: list[LayerStats] = []
+    offset = 0
+    for stats, g in zip(layers, grads, strict=True):
+        n = g.numel()
+        if stats.code.startswith("rank"):
+            res = residual[offset : offset + n]
+            inp = output[offset : offset + n] + res
+            norm = float(inp.pow(2).sum())
+            err = float(res.pow(2).sum()) / norm if norm > 0 else 0.0
+            stats = dataclasses.replace(stats, rel_error=err)
+        out.append(stats)
+        offset += n
+    return out
 
 
 def powersgd_peer_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -155,11 +181,18 @@ def powersgd_peer_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.f
     ps = state.powersgd
     compressing = ps.iter >= ps.start_powerSGD_iter
     world_size = state.world_size
-    layers = [_powersgd_layer(ps, name, g, compressing) for name, g in _bucket_layers(state, bucket)]
+    named = _bucket_layers(state, bucket)
+    layers = [_powersgd_layer(ps, name, g, compressing) for name, g in named]
+    # Without error feedback PowerSGD keeps no copy of its input; keep one to measure the error.
+    before = bucket.buffer().detach().clone() if compressing and not ps.use_error_feedback else None
     # All-reduced bytes: uncompressed layers as they are, compressed ones as P (n*r) and Q (m*r).
     moved = sum(ring_allreduce_bytes(layer.encoded_bytes, world_size) for layer in layers)
     start = time.perf_counter()
     result = powerSGD_hook(ps, bucket).wait()
+    if compressing:
+        # With error feedback powerSGD_hook stored input + old error - output: its residual.
+        residual = before - result if before is not None else ps.error_dict[bucket.index()]
+        layers = _with_powersgd_errors(layers, [g for _, g in named], result, residual)
     state.record(
         layers=layers, bytes_sent=moved, bytes_received=moved, comm_s=time.perf_counter() - start, exchanges=1
     )
@@ -220,6 +253,9 @@ def local_powersgd_round_trip(state: TailHookState, grads: list[tuple[str, torch
         p = _orthonormalize(mat @ q)
         q = mat.T @ p
         approx = p @ q.T
+        norm = float(mat.pow(2).sum())
+        err = float((mat - approx).pow(2).sum()) / norm if norm > 0 else 0.0
+        layers[-1] = dataclasses.replace(stats, rel_error=err)
         if ps.use_error_feedback:
             state.local_powersgd_error[name] = mat - approx
         state.local_powersgd_q[name] = q

@@ -79,17 +79,25 @@ def hook_for(method: str) -> Hook:
 
 
 def register_tail_hook(
-    ddp_model: nn.parallel.DistributedDataParallel,
+    ddp_model: nn.parallel.DistributedDataParallel | None,
     method: str = "tail",
     config: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> TailHookState:
     """Register the comm hook of ``method`` on ``ddp_model``; return its state.
 
     ``method``: "none" (fp32 all-reduce), "fp16", "bf16" (PyTorch's cast hooks), "powersgd"
     (PyTorch's PowerSGD; config: rank, start_powerSGD_iter, ...), "qsgd", "topk", "tail"
     (config passed to ``make_compressor``). ``process_group`` None means the default group.
+
+    World size 1 (no DDP wrapper): ``register_tail_hook(None, method, config, model=module)``
+    registers nothing and returns the state for ``compress_gradients_locally`` (the same as
+    ``make_hook_state(module, method, config)``).
     """
+    if ddp_model is None and model is not None:
+        return make_hook_state(model, method, config, process_group)
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
             f"register_tail_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}; "

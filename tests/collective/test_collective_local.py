@@ -48,6 +48,14 @@ def test_register_needs_a_ddp_model():
         register_tail_hook(_model(), "none")
 
 
+def test_register_without_ddp_gives_a_local_state():
+    model = _model()
+    state = register_tail_hook(None, "fp16", model=model)
+    _backward(model)
+    compress_gradients_locally(state, model)
+    assert len(state.drain_metrics().layers) == 4
+
+
 def test_methods_are_the_documented_seven():
     assert set(METHODS) == {"none", "fp16", "bf16", "powersgd", "qsgd", "topk", "tail"}
 
@@ -96,3 +104,48 @@ def test_local_powersgd_is_low_rank_with_error_feedback():
     low_rank = [s for s in met.layers if s.code.startswith("rank")]
     assert {s.layer for s in low_rank} == {"0.weight", "2.weight"}
     assert all(s.encoded_bytes < s.raw_bytes for s in low_rank)
+    assert all(0.0 < s.rel_error < 1.0 for s in low_rank)
+
+
+def test_ring_allreduce_model_counts_two_w_minus_one_over_w():
+    from tail_ray.collective import ring_allreduce_bytes
+
+    assert ring_allreduce_bytes(1000, 1) == 0
+    assert ring_allreduce_bytes(1000, 2) == 1000
+    assert ring_allreduce_bytes(1000, 4) == 1500
+
+
+def test_set_lr_reaches_the_compressor():
+    state = make_hook_state(_model(), "tail")
+    state.set_lr(0.1)
+    state.set_lr(0.01)  # a drop: Tail's budget policy enters its lr-drop phase
+    assert state.compressor.controller.policy.state_dict()["lr"] == 0.01
+    make_hook_state(_model(), "none").set_lr(0.1)  # no compressor: a no-op, not an error
+
+
+@pytest.mark.parametrize("method", ["qsgd", "topk", "tail"])
+def test_local_round_trip_of_payload_compressors(method):
+    model = _model()
+    # raw_below_numel pinned: layers under 4096 elements go raw fp32, whatever the default.
+    config = {"qsgd": {"bits": 8}, "topk": {"density": 0.1}, "tail": {"candidate_bits": (8,)}}[method]
+    config = {**config, "raw_below_numel": 4096}
+    state = make_hook_state(model, method, config)
+    before = _backward(model)
+    compress_gradients_locally(state, model)
+    met = state.drain_metrics()
+    assert {s.layer for s in met.layers} == set(before)
+    # Every layer here is under 4096 elements (the largest is 64x20): all raw, exact.
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]), n
+    big = nn.Linear(128, 64)
+    state = make_hook_state(big, method, config)
+    gen = torch.Generator().manual_seed(0)
+    big.weight.grad = torch.randn(64, 128, generator=gen)
+    big.bias.grad = torch.randn(64, generator=gen)
+    original = big.weight.grad.clone()
+    compress_gradients_locally(state, big)
+    stats = {s.layer: s for s in state.drain_metrics().layers}
+    assert stats["weight"].encoded_bytes < stats["weight"].raw_bytes
+    assert not torch.equal(big.weight.grad, original)  # really compressed, in place
+    if method != "topk":  # 8-bit stochastic rounding: off by less than one step of the bucket's scale
+        assert float((big.weight.grad - original).abs().max()) <= float(original.abs().max()) / 127
