@@ -2,14 +2,17 @@
 
 This is the CONTAINER: it frames per-layer records and validates every length and count
 against the bytes really present and against sane upper bounds before allocating. How a
-layer's quantized levels are coded (dense bit-packing, sparse positions, entropy coding) is
-chosen per layer inside ``encode_payload``.
+layer's quantized levels are coded (bit-pack, dense rANS, sparse rANS) is chosen per layer
+by ``levelcode.encode_levels``: the smallest real body wins. docs/wire-format.md has the
+full layout; in short (all little-endian, varint = unsigned LEB128):
 
-Layout (all little-endian):
-    header   magic b"TAIL" | version u8 | flags u8 | reserved u16 | n_layers u32
-    layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | reserved u8
-             | numel u64 | bucket_size u32 | n_scales u32 | nnz u64 | body_len u32
+    header   magic b"TAIL" | version u8 (=2) | flags u8 | reserved u16 | n_layers u32
+    layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | varint numel
+             | varint bucket_size | varint n_scales | varint nnz | varint body_len
              | scales f32[n_scales] | body u8[body_len]
+
+RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
+container never inspects float values. QUANT scales are float32 and pass through the same way.
 """
 
 from __future__ import annotations
@@ -20,15 +23,32 @@ from enum import IntEnum
 
 import numpy as np
 
+from tail_ray.compression import levelcode
+from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
+from tail_ray.compression.levelcode import CODE_NAMES, Code, read_varint, varint
 from tail_ray.errors import CodecError
 
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "Code",
+    "EncodedLayer",
+    "Kind",
+    "LayerRecord",
+    "decode_payload",
+    "encode_payload",
+    "entropy_bound_bytes",
+    "sparse_entropy_bound_bytes",
+]
+
 MAGIC = b"TAIL"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sBBHI")
-_LAYER_FIXED = struct.Struct("<BBBBQIIQI")
+_LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, reserved
 
 # Sane upper bounds checked before any allocation: a corrupted length must never make the
-# decoder allocate gigabytes or loop for minutes.
+# decoder allocate gigabytes or loop for minutes. A receiver that knows its model passes a
+# tighter ``max_numel`` to ``decode_payload``.
 MAX_LAYERS = 1 << 16
 MAX_NAME_BYTES = 1024
 MAX_NUMEL = 1 << 31
@@ -40,11 +60,6 @@ class Kind(IntEnum):
     RAW_F16 = 1  # values: float16[numel] (decoded to float32)
     QUANT = 2  # levels: int8[numel] in [-L, L], scales: float32[ceil(numel / bucket_size)]
     SPARSE_F32 = 3  # indices: int64[nnz] strictly increasing, values: float32[nnz]
-
-
-class Code(IntEnum):
-    RAW = 0  # the values' own bytes
-    INT8 = 1  # levels as one byte each
 
 
 @dataclass
@@ -72,126 +87,193 @@ class EncodedLayer:
     nnz: int = field(default=0)
 
 
+def _need(arr: np.ndarray | None, rec: LayerRecord, what: str) -> np.ndarray:
+    if arr is None:
+        raise CodecError(f"{rec.kind.name} record needs {what}", layer=rec.name, field=what)
+    return arr
+
+
 def _body_for(rec: LayerRecord) -> tuple[Code, int, bytes]:
     """Return (code, nnz, body) for one record."""
     if rec.kind == Kind.RAW_F32:
-        assert rec.values is not None
-        return Code.RAW, 0, np.ascontiguousarray(rec.values, dtype="<f4").tobytes()
+        vals = np.ascontiguousarray(_need(rec.values, rec, "values"), dtype="<f4").reshape(-1)
+        if vals.size != rec.numel:
+            raise CodecError(f"{vals.size} values for numel {rec.numel}", layer=rec.name, field="values")
+        return Code.RAW, 0, vals.tobytes()
     if rec.kind == Kind.RAW_F16:
-        assert rec.values is not None
-        return Code.RAW, 0, np.ascontiguousarray(rec.values, dtype="<f2").tobytes()
+        vals = np.ascontiguousarray(_need(rec.values, rec, "values"), dtype="<f2").reshape(-1)
+        if vals.size != rec.numel:
+            raise CodecError(f"{vals.size} values for numel {rec.numel}", layer=rec.name, field="values")
+        return Code.RAW, 0, vals.tobytes()
     if rec.kind == Kind.QUANT:
-        assert rec.levels is not None
-        levels = np.ascontiguousarray(rec.levels, dtype=np.int8)
-        return Code.INT8, int(np.count_nonzero(levels)), levels.tobytes()
+        levels = _need(rec.levels, rec, "levels").reshape(-1)
+        if levels.size != rec.numel:
+            raise CodecError(f"{levels.size} levels for numel {rec.numel}", layer=rec.name, field="levels")
+        try:
+            return levelcode.encode_levels(levels, rec.bits)
+        except CodecError as exc:
+            raise CodecError(exc.message, layer=rec.name, field=exc.field) from None
     if rec.kind == Kind.SPARSE_F32:
-        assert rec.indices is not None and rec.values is not None
-        idx = np.ascontiguousarray(rec.indices, dtype="<i8")
-        val = np.ascontiguousarray(rec.values, dtype="<f4")
-        return Code.RAW, len(idx), idx.tobytes() + val.tobytes()
+        idx = _need(rec.indices, rec, "indices").reshape(-1)
+        val = np.ascontiguousarray(_need(rec.values, rec, "values"), dtype="<f4").reshape(-1)
+        if idx.size != val.size:
+            raise CodecError(f"{idx.size} indices but {val.size} values", layer=rec.name, field="values")
+        pos = levelcode.encode_positions(idx, rec.numel, layer=rec.name)
+        return Code.SPARSE_POS, int(idx.size), pos + val.tobytes()
     raise CodecError(f"unknown kind {rec.kind!r}", layer=rec.name, field="kind")
 
 
 def encode_payload(records: list[LayerRecord]) -> tuple[bytes, list[EncodedLayer]]:
-    """Frame ``records`` into one payload; also return what each layer cost."""
+    """Frame ``records`` into one payload; also return what each layer cost (every byte it adds)."""
+    if len(records) > MAX_LAYERS:
+        raise CodecError(f"{len(records)} layers exceed the bound {MAX_LAYERS}", field="n_layers")
     parts = [_HEADER.pack(MAGIC, VERSION, 0, 0, len(records))]
     costs: list[EncodedLayer] = []
     for rec in records:
         name = rec.name.encode("utf-8")
+        if len(name) > MAX_NAME_BYTES:
+            raise CodecError(f"name is {len(name)} bytes, max {MAX_NAME_BYTES}", layer=rec.name, field="name")
+        if not 0 <= rec.numel <= MAX_NUMEL:
+            raise CodecError(f"numel {rec.numel} outside [0, {MAX_NUMEL}]", layer=rec.name, field="numel")
         code, nnz, body = _body_for(rec)
-        scales = b"" if rec.scales is None else np.ascontiguousarray(rec.scales, dtype="<f4").tobytes()
-        n_scales = 0 if rec.scales is None else len(rec.scales)
-        fixed = _LAYER_FIXED.pack(
-            int(rec.kind), int(code), rec.bits, 0, rec.numel, rec.bucket_size, n_scales, nnz, len(body)
+        scales = b""
+        n_scales = 0
+        if rec.kind == Kind.QUANT:
+            if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:
+                raise CodecError(
+                    f"bucket_size {rec.bucket_size} out of range", layer=rec.name, field="bucket_size"
+                )
+            sc = np.ascontiguousarray(_need(rec.scales, rec, "scales"), dtype="<f4").reshape(-1)
+            if sc.size != -(-rec.numel // rec.bucket_size):
+                raise CodecError(
+                    f"{sc.size} scales for numel {rec.numel} / bucket {rec.bucket_size}",
+                    layer=rec.name,
+                    field="scales",
+                )
+            scales, n_scales = sc.tobytes(), int(sc.size)
+        chunk = b"".join(
+            (
+                struct.pack("<H", len(name)),
+                name,
+                _LAYER_FIXED.pack(int(rec.kind), int(code), rec.bits, 0),
+                varint(rec.numel),
+                varint(rec.bucket_size),
+                varint(n_scales),
+                varint(nnz),
+                varint(len(body)),
+                scales,
+                body,
+            )
         )
-        chunk = struct.pack("<H", len(name)) + name + fixed + scales + body
         parts.append(chunk)
-        costs.append(EncodedLayer(rec.name, len(chunk), code.name.lower(), nnz))
+        costs.append(EncodedLayer(rec.name, len(chunk), CODE_NAMES[code], nnz))
     return b"".join(parts), costs
 
 
-class _Reader:
-    def __init__(self, buf: bytes) -> None:
-        self.buf = memoryview(buf)
-        self.pos = 0
-
-    def take(self, n: int, *, layer: str | None, what: str) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise CodecError(
-                f"truncated payload: need {n} bytes at offset {self.pos}, {len(self.buf) - self.pos} left",
-                layer=layer,
-                field=what,
-            )
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
+def _check_float_body(code: int, body_len: int, want: int, *, layer: str, what: str) -> None:
+    if code != Code.RAW:
+        raise CodecError(f"{what} layer needs the raw code, got {code}", layer=layer, field="code")
+    if body_len != want:
+        raise CodecError(f"body_len {body_len} != {want}", layer=layer, field="body_len")
 
 
-def decode_payload(payload: bytes) -> list[LayerRecord]:
-    """Parse a payload made by ``encode_payload``; raise ``CodecError`` on anything wrong."""
+def decode_payload(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
+    """Parse a payload made by ``encode_payload``; raise ``CodecError`` on anything wrong.
+
+    ``max_numel`` bounds every layer (and the sum over layers): a receiver that knows its
+    model's size passes it, so a corrupted numel can never make it allocate more.
+    """
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise CodecError(f"payload must be bytes, got {type(payload).__name__}", field="payload")
-    r = _Reader(bytes(payload))
-    magic, version, _flags, _res, n_layers = _HEADER.unpack(r.take(_HEADER.size, layer=None, what="header"))
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    size = int(buf.size)
+    if size < _HEADER.size:
+        raise CodecError(f"payload is {size} bytes, the header alone is {_HEADER.size}", field="header")
+    magic, version, _flags, _res, n_layers = _HEADER.unpack(buf[: _HEADER.size].tobytes())
     if magic != MAGIC:
         raise CodecError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", field="magic")
     if version != VERSION:
         raise CodecError(f"unsupported wire version {version}, this build reads {VERSION}", field="version")
     if n_layers > MAX_LAYERS:
         raise CodecError(f"n_layers {n_layers} exceeds bound {MAX_LAYERS}", field="n_layers")
+    pos = _HEADER.size
+    total_numel = 0
     out: list[LayerRecord] = []
     for i in range(n_layers):
         where = f"#{i}"
-        (name_len,) = struct.unpack("<H", r.take(2, layer=where, what="name_len"))
+        if pos + 2 > size:
+            raise CodecError("truncated payload before name_len", layer=where, field="name_len")
+        name_len = int(buf[pos]) | int(buf[pos + 1]) << 8
+        pos += 2
         if name_len > MAX_NAME_BYTES:
             raise CodecError(f"name_len {name_len} exceeds {MAX_NAME_BYTES}", layer=where, field="name_len")
+        if pos + name_len > size:
+            raise CodecError("truncated payload inside the name", layer=where, field="name")
         try:
-            name = bytes(r.take(name_len, layer=where, what="name")).decode("utf-8")
+            name = buf[pos : pos + name_len].tobytes().decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CodecError(f"layer name is not utf-8: {exc}", layer=where, field="name") from None
-        kind_v, code_v, bits, _r, numel, bucket, n_scales, nnz, body_len = _LAYER_FIXED.unpack(
-            r.take(_LAYER_FIXED.size, layer=name, what="layer_header")
-        )
-        if numel > MAX_NUMEL:
-            raise CodecError(f"numel {numel} exceeds {MAX_NUMEL}", layer=name, field="numel")
+        pos += name_len
+        if pos + _LAYER_FIXED.size > size:
+            raise CodecError("truncated layer header", layer=name, field="layer_header")
+        kind_v, code_v, bits, _r = _LAYER_FIXED.unpack(buf[pos : pos + _LAYER_FIXED.size].tobytes())
+        pos += _LAYER_FIXED.size
+        numel, pos = read_varint(buf, pos, size, layer=name, field="numel")
+        bucket, pos = read_varint(buf, pos, size, layer=name, field="bucket_size")
+        n_scales, pos = read_varint(buf, pos, size, layer=name, field="n_scales")
+        nnz, pos = read_varint(buf, pos, size, layer=name, field="nnz")
+        body_len, pos = read_varint(buf, pos, size, layer=name, field="body_len")
+        if numel > min(MAX_NUMEL, max_numel):
+            raise CodecError(f"numel {numel} exceeds {min(MAX_NUMEL, max_numel)}", layer=name, field="numel")
+        total_numel += numel
+        if total_numel > max_numel:
+            raise CodecError(f"layers add up to more than {max_numel} elements", layer=name, field="numel")
         try:
             kind = Kind(kind_v)
         except ValueError:
             raise CodecError(f"unknown kind {kind_v}", layer=name, field="kind") from None
-        scales_b = r.take(4 * n_scales, layer=name, what="scales")
-        body = r.take(body_len, layer=name, what="body")
+        if n_scales > (size - pos) // 4:
+            raise CodecError(f"n_scales {n_scales} exceeds the bytes present", layer=name, field="n_scales")
+        scales_at = pos
+        pos += 4 * n_scales
+        if body_len > size - pos:
+            raise CodecError(
+                f"body_len {body_len} exceeds the {size - pos} bytes left", layer=name, field="body_len"
+            )
+        body = buf[pos : pos + body_len]
+        pos += body_len
         rec = LayerRecord(name=name, numel=numel, kind=kind, bits=bits, bucket_size=bucket)
+        if kind != Kind.QUANT and n_scales:
+            raise CodecError(f"{kind.name} layer carries {n_scales} scales", layer=name, field="n_scales")
         if kind == Kind.RAW_F32:
-            if body_len != 4 * numel:
-                raise CodecError(f"body_len {body_len} != 4*numel", layer=name, field="body_len")
-            rec.values = np.frombuffer(body, dtype="<f4").astype(np.float32)
+            _check_float_body(code_v, body_len, 4 * numel, layer=name, what="RAW_F32")
+            rec.values = body.view("<f4").astype(np.float32)
         elif kind == Kind.RAW_F16:
-            if body_len != 2 * numel:
-                raise CodecError(f"body_len {body_len} != 2*numel", layer=name, field="body_len")
-            rec.values = np.frombuffer(body, dtype="<f2").astype(np.float32)
+            _check_float_body(code_v, body_len, 2 * numel, layer=name, what="RAW_F16")
+            rec.values = body.view("<f2").astype(np.float32)
         elif kind == Kind.QUANT:
-            if not 1 <= bits <= 8:
-                raise CodecError(f"bits {bits} not in 1..8", layer=name, field="bits")
+            if not 2 <= bits <= 8:
+                raise CodecError(f"bits {bits} not in 2..8", layer=name, field="bits")
             if not 1 <= bucket <= MAX_BUCKET_SIZE:
                 raise CodecError(f"bucket_size {bucket} out of range", layer=name, field="bucket_size")
             if n_scales != -(-numel // bucket):
                 raise CodecError(f"n_scales {n_scales} != ceil(numel/bucket)", layer=name, field="n_scales")
-            if code_v != Code.INT8 or body_len != numel:
-                raise CodecError(f"bad code {code_v} / body_len {body_len}", layer=name, field="body_len")
-            rec.scales = np.frombuffer(scales_b, dtype="<f4").astype(np.float32)
-            rec.levels = np.frombuffer(body, dtype=np.int8).copy()
-            limit = (1 << (bits - 1)) - 1 if bits > 1 else 1
-            if rec.levels.size and int(np.abs(rec.levels.astype(np.int16)).max()) > limit:
-                raise CodecError(f"level outside [-{limit}, {limit}]", layer=name, field="levels")
+            rec.scales = buf[scales_at : scales_at + 4 * n_scales].view("<f4").astype(np.float32)
+            rec.levels = levelcode.decode_levels(code_v, body, numel, bits, nnz, layer=name)
         else:  # SPARSE_F32
-            if nnz > numel or body_len != 12 * nnz:
-                raise CodecError(f"nnz {nnz} / body_len {body_len} inconsistent", layer=name, field="nnz")
-            idx = np.frombuffer(body[: 8 * nnz], dtype="<i8").astype(np.int64)
-            if nnz and (idx[0] < 0 or idx[-1] >= numel or np.any(np.diff(idx) <= 0)):
-                raise CodecError("indices not strictly increasing in [0, numel)", layer=name, field="indices")
+            if code_v != Code.SPARSE_POS:
+                raise CodecError(
+                    f"SPARSE_F32 layer needs the sparse-pos code, got {code_v}", layer=name, field="code"
+                )
+            if nnz > numel or 4 * nnz > body_len:
+                raise CodecError(f"nnz {nnz} inconsistent with numel / body_len", layer=name, field="nnz")
+            pos_len = body_len - 4 * nnz
+            idx, used = levelcode.decode_positions(body[:pos_len], nnz, numel, layer=name)
+            if used != pos_len:
+                raise CodecError(f"{pos_len - used} unused position bytes", layer=name, field="body_len")
             rec.indices = idx
-            rec.values = np.frombuffer(body[8 * nnz :], dtype="<f4").astype(np.float32)
+            rec.values = body[pos_len:].view("<f4").astype(np.float32)
         out.append(rec)
-    if r.pos != len(r.buf):
-        raise CodecError(f"{len(r.buf) - r.pos} trailing bytes after the last layer", field="trailer")
+    if pos != size:
+        raise CodecError(f"{size - pos} trailing bytes after the last layer", field="trailer")
     return out

@@ -1,0 +1,393 @@
+"""Per-layer coding of quantized levels: pick the smallest of bit-pack, dense rANS, sparse rANS.
+
+The choice is made on sizes, never on a rule of thumb: bit-pack size is exact, rANS sizes are
+estimated from the quantised model (within a few bytes of the real stream), every entropy
+candidate whose estimate could still win is really encoded, and the smallest real body is
+kept.
+
+Bodies (the container frames them; ``n`` = numel, ``a`` = 2L + 1):
+    BITPACK      (level + L) packed at ceil(log2(a)) bits each, LSB-first
+    RANS         table | u16 words (rest of body)                                  see rans.py
+    SPARSE_RANS  (only when nnz > 0) slot table | level table | varint n_slot_words | slot words
+                 | varint n_level_words | level words | extra gap bits (rest)      see sparse.py
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from tail_ray.compression import bitpack, rans, sparse
+from tail_ray.errors import CodecError
+
+# A stream may claim at most this many symbols per bit actually present, relative to its
+# model's cheapest symbol (see ``_check_capacity``): the encoder guarantees it, the decoder
+# rejects anything more before allocating.
+_CAPACITY_FACTOR = 2.0
+_CAPACITY_SLACK_BITS = 256.0
+# Entropy candidates whose estimate is within this of the best real size are also encoded.
+_EST_MARGIN = 1.01
+_EST_SLACK_BYTES = 32
+
+
+class Code(IntEnum):
+    RAW = 0  # the values' own bytes (RAW_F32 / RAW_F16 / legacy)
+    INT8 = 1  # levels as one byte each (version-1 payloads; no longer produced)
+    BITPACK = 2
+    RANS = 3
+    SPARSE_RANS = 4
+    SPARSE_POS = 5  # SPARSE_F32: positions as sparse gaps, values raw f32
+
+
+CODE_NAMES = {
+    Code.RAW: "raw",
+    Code.INT8: "int8",
+    Code.BITPACK: "bitpack",
+    Code.RANS: "rans",
+    Code.SPARSE_RANS: "sparse-rans",
+    Code.SPARSE_POS: "sparse-pos",
+}
+
+
+def half_range(bits: int) -> int:
+    """L = 2**(bits-1) - 1: levels lie in [-L, L]. bits=1 has no non-zero level and is rejected."""
+    return (1 << (bits - 1)) - 1
+
+
+def pack_width(bits: int) -> int:
+    """ceil(log2(2L + 1)) bits per level for dense bit-packing (equals ``bits`` for 2..8)."""
+    return max(1, math.ceil(math.log2(2 * half_range(bits) + 1)))
+
+
+def varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def read_varint(buf: np.ndarray, pos: int, end: int, *, layer: str | None, field: str) -> tuple[int, int]:
+    """Unsigned LEB128 at ``buf[pos:end]`` (at most 9 bytes, < 2**63)."""
+    v = 0
+    for k in range(9):
+        if pos >= end:
+            raise CodecError("truncated varint", layer=layer, field=field)
+        b = int(buf[pos])
+        pos += 1
+        v |= (b & 0x7F) << (7 * k)
+        if not b & 0x80:
+            return v, pos
+    raise CodecError("varint longer than 9 bytes", layer=layer, field=field)
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class _Model:
+    scale_bits: int
+    freqs: np.ndarray  # int64[alphabet]
+    table_bytes: int  # scale byte + gamma table
+    est_stream_bytes: float  # table + words
+
+
+def _build_model(counts: np.ndarray) -> _Model:
+    """Pick the precision (scale bits) that minimises table + estimated words."""
+    used = int(np.count_nonzero(counts))
+    lo_scale = max(rans.MIN_SCALE_BITS, math.ceil(math.log2(max(used, 1))) + 2)
+    best: _Model | None = None
+    # Up to 13 bits the decode tables stay in L1; more buys < 0.1% on peaked histograms.
+    for scale in range(min(lo_scale, 13), 14):
+        freqs = np.zeros(counts.size, dtype=np.int64)
+        rans.quantize_freqs(counts, scale, freqs)
+        table = 1 + (int(rans.table_bits(freqs)) + 7) // 8
+        est = table + 2 * (math.ceil(rans.cost_bits(counts, freqs, scale) / 16) + rans.STATE_WORDS)
+        if best is None or est < best.est_stream_bytes:
+            best = _Model(scale, freqs, table, est)
+    assert best is not None
+    return best
+
+
+def _min_cost_bits(freqs: np.ndarray, scale_bits: int) -> float:
+    return scale_bits - math.log2(int(freqs.max()))
+
+
+def _capacity_ok(count: int, freqs: np.ndarray, scale_bits: int, n_words: int) -> bool:
+    """Whether ``count`` symbols fit in ``n_words`` words for this model (see _CAPACITY_FACTOR)."""
+    min_cost = _min_cost_bits(freqs, scale_bits)
+    if min_cost == 0.0:  # one symbol carries all mass: decoded by a fill, no stream work
+        return True
+    return count * min_cost <= _CAPACITY_FACTOR * 16 * n_words + _CAPACITY_SLACK_BITS
+
+
+def _table(model: _Model) -> bytes:
+    table = np.empty(model.table_bytes + 8, dtype=np.uint8)
+    end = rans.write_table(model.freqs, model.scale_bits, table, 0)
+    return table[:end].tobytes()
+
+
+def _words(symbols: np.ndarray, offset: int, model: _Model) -> tuple[bytes, int]:
+    """(u16le word bytes, n_words)."""
+    words = rans.encode(symbols, offset, model.freqs, model.scale_bits)
+    return words.astype("<u2").tobytes(), int(words.size)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -> tuple[Code, int, bytes]:
+    """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
+    if not 2 <= bits <= 8:
+        raise CodecError(f"bits must be 2..8 for quantized levels, got {bits}", field="bits")
+    lv = np.ascontiguousarray(levels, dtype=np.int8).reshape(-1)
+    half = half_range(bits)
+    n = int(lv.size)
+    counts = np.zeros(2 * half + 1, dtype=np.int64)
+    slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
+    lo, hi = (int(lv.min()), int(lv.max())) if n else (0, 0)
+    if lo < -half or hi > half:
+        raise CodecError(
+            f"levels span [{lo}, {hi}], outside [-{half}, {half}] for bits={bits}", field="levels"
+        )
+    nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
+    nnz = int(nnz)
+
+    width = pack_width(bits)
+    candidates: dict[Code, float] = {Code.BITPACK: float(bitpack.packed_bytes(n, width))}
+    dense_model = _build_model(counts) if n else None
+    if dense_model is not None:
+        candidates[Code.RANS] = dense_model.est_stream_bytes
+    nz_counts = np.delete(counts, half)
+    slot_model = level_model = None
+    if nnz == 0:
+        candidates[Code.SPARSE_RANS] = 0.0
+    else:
+        slot_model = _build_model(slot_counts)
+        level_model = _build_model(nz_counts)
+        candidates[Code.SPARSE_RANS] = (
+            slot_model.est_stream_bytes + level_model.est_stream_bytes + 4 + math.ceil(extra_bits / 8)
+        )
+
+    def build(code: Code) -> bytes | None:
+        if code == Code.BITPACK:
+            out = np.empty(bitpack.packed_bytes(n, width), dtype=np.uint8)
+            bitpack.pack_fixed((lv + half).view(np.uint8) if n else lv.view(np.uint8), width, out)
+            return out.tobytes()
+        if code == Code.RANS:
+            assert dense_model is not None
+            words, n_words = _words(lv, half, dense_model)
+            if not _capacity_ok(n, dense_model.freqs, dense_model.scale_bits, n_words):
+                return None
+            return _table(dense_model) + words
+        if nnz == 0:
+            return b""
+        assert slot_model is not None and level_model is not None
+        slots, syms, extra = sparse.split_levels(lv, half, nnz, extra_bits)
+        w_slot, nw_slot = _words(slots, 0, slot_model)
+        w_lvl, nw_lvl = _words(syms, 0, level_model)
+        if not (
+            _capacity_ok(nnz, slot_model.freqs, slot_model.scale_bits, nw_slot)
+            and _capacity_ok(nnz, level_model.freqs, level_model.scale_bits, nw_lvl)
+        ):
+            return None
+        parts = (_table(slot_model), _table(level_model), varint(nw_slot), w_slot, varint(nw_lvl), w_lvl)
+        return b"".join((*parts, extra.tobytes()))
+
+    if force is not None:
+        if force not in candidates:
+            raise CodecError(f"code {force.name} cannot code levels", field="code")
+        body = build(force)
+        if body is None:
+            raise CodecError(f"code {force.name} refused this layer (capacity rule)", field="code")
+        return force, nnz, body
+
+    best_code = Code.BITPACK
+    best_body: bytes | None = None
+    best_size = candidates[Code.BITPACK]
+    for code, est in sorted(candidates.items(), key=lambda kv: kv[1]):
+        if code == Code.BITPACK:
+            continue
+        if est > best_size * _EST_MARGIN + _EST_SLACK_BYTES:
+            break
+        body = build(code)
+        if body is not None and len(body) < best_size:
+            best_code, best_body, best_size = code, body, float(len(body))
+    if best_body is None:
+        best_body = build(Code.BITPACK)
+        assert best_body is not None
+    return best_code, nnz, best_body
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _read_model(
+    data: np.ndarray, pos: int, end: int, alphabet: int, *, layer: str | None, field: str
+) -> tuple[int, np.ndarray, int]:
+    freqs = np.zeros(alphabet, dtype=np.int64)
+    status, new_pos = rans.read_table(data[:end], pos, alphabet, freqs)
+    if status == rans.ERR_TABLE_TRUNCATED:
+        raise CodecError("frequency table runs past the layer body", layer=layer, field=field)
+    if status < 0:
+        raise CodecError("malformed frequency table (scale, range or sum)", layer=layer, field=field)
+    return int(status), freqs, int(new_pos)
+
+
+def _decode_stream(
+    data: np.ndarray,
+    start: int,
+    n_words: int,
+    freqs: np.ndarray,
+    scale_bits: int,
+    offset: int,
+    out: np.ndarray,
+    *,
+    layer: str | None,
+    field: str,
+) -> None:
+    if not _capacity_ok(out.size, freqs, scale_bits, n_words):
+        raise CodecError(
+            f"{out.size} symbols cannot come from {n_words} words with this table", layer=layer, field=field
+        )
+    if int(freqs.max()) == (1 << scale_bits):  # a single symbol: the stream holds only the states
+        if n_words != rans.STATE_WORDS:
+            raise CodecError("single-symbol stream must hold only the states", layer=layer, field=field)
+        out[:] = int(np.argmax(freqs)) - offset
+        return
+    status = rans.decode(data, start, n_words, freqs, scale_bits, offset, out)
+    if status == rans.ERR_TRUNCATED:
+        raise CodecError("entropy stream ends early", layer=layer, field=field)
+    if status < 0:
+        raise CodecError("entropy stream corrupted (final state check failed)", layer=layer, field=field)
+
+
+def decode_levels(
+    code: int, body: np.ndarray, numel: int, bits: int, nnz: int, *, layer: str | None
+) -> np.ndarray:
+    """Decode one layer body (uint8 array) into int8 levels in [-L, L]; CodecError on anything wrong."""
+    if not 2 <= bits <= 8:
+        raise CodecError(f"bits {bits} not in 2..8", layer=layer, field="bits")
+    half = half_range(bits)
+    size = int(body.size)
+    if code == Code.BITPACK:
+        width = pack_width(bits)
+        if size != bitpack.packed_bytes(numel, width):
+            raise CodecError(
+                f"bit-packed body is {size} bytes, {numel} levels at {width} bits need "
+                f"{bitpack.packed_bytes(numel, width)}",
+                layer=layer,
+                field="body_len",
+            )
+        syms = np.empty(numel, dtype=np.uint8)
+        if bitpack.unpack_fixed(body, width, 2 * half, syms) < 0:
+            raise CodecError(f"bit-packed level outside [-{half}, {half}]", layer=layer, field="levels")
+        return (syms - np.uint8(half)).view(np.int8)
+    if code == Code.RANS:
+        if numel == 0:
+            raise CodecError("rans code with numel 0", layer=layer, field="code")
+        scale, freqs, pos = _read_model(body, 0, size, 2 * half + 1, layer=layer, field="table")
+        if (size - pos) % 2:
+            raise CodecError("rans word stream has odd byte length", layer=layer, field="body_len")
+        out = np.empty(0, dtype=np.int8)
+        n_words = (size - pos) // 2
+        # Check capacity before the big allocation: _decode_stream re-checks with the real array.
+        if not _capacity_ok(numel, freqs, scale, n_words):
+            raise CodecError(f"numel {numel} cannot come from {n_words} words", layer=layer, field="numel")
+        out = np.empty(numel, dtype=np.int8)
+        _decode_stream(body, pos, n_words, freqs, scale, half, out, layer=layer, field="levels")
+        return out
+    if code == Code.SPARSE_RANS:
+        if nnz > numel:
+            raise CodecError(f"nnz {nnz} > numel {numel}", layer=layer, field="nnz")
+        if nnz == 0:
+            if size:
+                raise CodecError(
+                    "sparse body of an all-zero layer must be empty", layer=layer, field="body_len"
+                )
+            return np.zeros(numel, dtype=np.int8)
+        s_scale, s_freqs, pos = _read_model(body, 0, size, sparse.N_SLOTS, layer=layer, field="slot_table")
+        l_scale, l_freqs, pos = _read_model(body, pos, size, 2 * half, layer=layer, field="level_table")
+        nw_slot, pos = read_varint(body, pos, size, layer=layer, field="slot_words")
+        if nw_slot > (size - pos) // 2:
+            raise CodecError(f"slot stream claims {nw_slot} words", layer=layer, field="slot_words")
+        slot_start = pos
+        pos += 2 * nw_slot
+        nw_lvl, pos = read_varint(body, pos, size, layer=layer, field="level_words")
+        if nw_lvl > (size - pos) // 2:
+            raise CodecError(f"level stream claims {nw_lvl} words", layer=layer, field="level_words")
+        lvl_start = pos
+        pos += 2 * nw_lvl
+        for freqs, scale, nw, what in (
+            (s_freqs, s_scale, nw_slot, "slot_words"),
+            (l_freqs, l_scale, nw_lvl, "level_words"),
+        ):
+            if not _capacity_ok(nnz, freqs, scale, nw):
+                raise CodecError(f"nnz {nnz} cannot come from {nw} words", layer=layer, field=what)
+        slots = np.empty(nnz, dtype=np.uint8)
+        _decode_stream(body, slot_start, nw_slot, s_freqs, s_scale, 0, slots, layer=layer, field="slots")
+        syms = np.empty(nnz, dtype=np.uint8)
+        _decode_stream(body, lvl_start, nw_lvl, l_freqs, l_scale, 0, syms, layer=layer, field="levels")
+        idx = np.empty(nnz, dtype=np.int64)
+        used = sparse.positions(slots, body, pos, size, numel, idx)
+        if used == sparse.ERR_EXTRA_TRUNCATED:
+            raise CodecError("gap extra bits end early", layer=layer, field="positions")
+        if used < 0:
+            raise CodecError("a position runs past numel", layer=layer, field="positions")
+        if pos + used != size:
+            raise CodecError(
+                f"{size - pos - used} unused bytes after the gap bits", layer=layer, field="body_len"
+            )
+        out = np.zeros(numel, dtype=np.int8)
+        sparse.scatter_levels(idx, syms, half, out)
+        return out
+    raise CodecError(f"code {code} cannot carry quantized levels", layer=layer, field="code")
+
+
+# --------------------------------------------------------------------------- top-k positions
+
+
+def encode_positions(indices: np.ndarray, numel: int, *, layer: str | None = None) -> bytes:
+    """Strictly increasing indices -> slot table | varint n_words | slot words | extra bits."""
+    idx = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        return b""
+    status, slots, extra = sparse.index_slots(idx, numel)
+    if status < 0:
+        raise CodecError("indices must be strictly increasing in [0, numel)", layer=layer, field="indices")
+    counts = np.bincount(slots, minlength=sparse.N_SLOTS).astype(np.int64)
+    model = _build_model(counts)
+    words, n_words = _words(slots, 0, model)
+    if not _capacity_ok(int(idx.size), model.freqs, model.scale_bits, n_words):  # pragma: no cover
+        raise CodecError("position stream violates the capacity rule", layer=layer, field="indices")
+    return _table(model) + varint(n_words) + words + extra.tobytes()
+
+
+def decode_positions(body: np.ndarray, nnz: int, numel: int, *, layer: str | None) -> tuple[np.ndarray, int]:
+    """Inverse of ``encode_positions`` over a prefix of ``body``; return (indices, bytes used)."""
+    if nnz == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    size = int(body.size)
+    scale, freqs, pos = _read_model(body, 0, size, sparse.N_SLOTS, layer=layer, field="slot_table")
+    n_words, pos = read_varint(body, pos, size, layer=layer, field="slot_words")
+    if n_words > (size - pos) // 2:
+        raise CodecError(f"slot stream claims {n_words} words", layer=layer, field="slot_words")
+    if not _capacity_ok(nnz, freqs, scale, n_words):
+        raise CodecError(f"nnz {nnz} cannot come from {n_words} words", layer=layer, field="slot_words")
+    slots = np.empty(nnz, dtype=np.uint8)
+    _decode_stream(body, pos, n_words, freqs, scale, 0, slots, layer=layer, field="slots")
+    pos += 2 * n_words
+    idx = np.empty(nnz, dtype=np.int64)
+    used = sparse.positions(slots, body, pos, size, numel, idx)
+    if used == sparse.ERR_EXTRA_TRUNCATED:
+        raise CodecError("gap extra bits end early", layer=layer, field="positions")
+    if used < 0:
+        raise CodecError("a position runs past numel", layer=layer, field="positions")
+    return idx, pos + int(used)
