@@ -95,7 +95,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     "bytes_sent": m.bytes_sent,
                     "bytes_received": m.bytes_received,
                     "raw_bytes": m.raw_bytes,
-                    "loss": float(loss),
+                    "loss": loss.item(),
                 }
             )
         if step == args.warmup_steps - 1:
