@@ -1,0 +1,89 @@
+"""Turn the benchmarks' JSON into PNG plots a user can look at.
+
+    python -m jobs.report [--results runs/] [--out docs/img/]
+
+Reads the newest ``bench_convergence*.json``, ``bench_network*.json`` and
+``bench_codec*.json`` under --results (whichever exist) and writes:
+- traffic_vs_accuracy.png: bytes sent per worker per step vs final metric, per method;
+- bits_per_layer.png: Tail's chosen bits per layer over steps;
+- step_time_vs_link.png: median step time per method against link speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("report")
+
+
+def newest(results_dir: Path, prefix: str) -> Path | None:
+    found = sorted(results_dir.glob(f"{prefix}*.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def plot_step_time_vs_link(data: dict[str, Any], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        links = list(dict.fromkeys(r["link"] for r in mine))
+        for method in dict.fromkeys(r["method"] for r in mine):
+            ys = [
+                next(
+                    (1e3 * r["step_s_median"] for r in mine if r["link"] == lk and r["method"] == method),
+                    float("nan"),
+                )
+                for lk in links
+            ]
+            ax.plot(links, ys, marker="o", label=method)
+        ax.set_yscale("log")
+        ax.set_xlabel("link")
+        ax.set_ylabel("median step time (ms, log)")
+        ax.set_title(f"{model}: step time vs link speed (2 ranks, gloo)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "step_time_vs_link.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="runs", help="folder with benchmark JSON (default: %(default)s)")
+    parser.add_argument("--out", default="docs/img", help="folder for the PNGs (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    results, out = Path(args.results), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []
+    net = newest(results, "bench_network")
+    if net is not None:
+        made.append(plot_step_time_vs_link(json.loads(net.read_text()), out))
+    if not made:
+        logger.error(
+            "no benchmark JSON found under %s: run jobs.bench_* with --json %s/<name>.json first",
+            results,
+            results,
+        )
+        return 1
+    for path in made:
+        logger.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
