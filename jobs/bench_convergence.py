@@ -92,6 +92,7 @@ class RunResult:
     tail_bits: dict[str, int] | None = None  # bits -> share of quantized elements (permille)
     tail_tau: dict[str, float] | None = None  # layer -> tau at the end
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
+    tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -133,6 +134,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
     comm_s: list[float] = []
     decode_s: list[float] = []
     bits_elems: Counter = Counter()
+    bits_history: dict[str, list[int]] = {}
     loss_value = float("nan")
     for step in range(steps):
         start = time.perf_counter()
@@ -153,6 +155,9 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         compress_s.append(m.compress_s)
         comm_s.append(m.comm_s)
         decode_s.append(m.decode_s)
+        if method == "tail":
+            for layer in m.layers:
+                bits_history.setdefault(layer.layer, []).append(layer.bits)
         if method == "tail" and step >= steps // 2:
             for layer in m.layers:
                 if layer.bits < 32:
@@ -161,6 +166,8 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
     if rank != 0:
         return None
     extra = _tail_details(state, bits_elems) if method == "tail" else {}
+    if method == "tail":
+        extra["tail_bits_history"] = bits_history
     return RunResult(
         task=task.name,
         label=label,

@@ -57,6 +57,59 @@ def plot_step_time_vs_link(data: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def plot_traffic_vs_accuracy(rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        mine = [r for r in rows if r["task"] == task]
+        metric = "val_accuracy" if "val_accuracy" in mine[0]["final"] else "val_loss"
+        for r in mine:
+            y = r["final"][metric] * (100 if metric == "val_accuracy" else 1)
+            ax.scatter(r["bytes_sent_per_step"] / 1e3, y, s=50)
+            ax.annotate(
+                r["label"],
+                (r["bytes_sent_per_step"] / 1e3, y),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=9,
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("KB sent per worker per step (log)")
+        ax.set_ylabel("validation accuracy (%)" if metric == "val_accuracy" else "validation loss")
+        ax.set_title(f"{task}: traffic vs final metric ({mine[0]['steps']} steps, 2 workers)")
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = out / "traffic_vs_accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bits_per_layer(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    tails = [r for r in rows if r["method"] == "tail" and r.get("tail_bits_history")]
+    if not tails:
+        return None
+    fig, axes = plt.subplots(1, len(tails), figsize=(6 * len(tails), 4.5), squeeze=False)
+    for ax, r in zip(axes[0], tails, strict=True):
+        for layer, bits in r["tail_bits_history"].items():
+            if max(bits) < 32:  # raw layers (32 bits throughout) would flatten the plot
+                ax.step(range(len(bits)), bits, where="post", label=layer, alpha=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("bits chosen by the controller")
+        ax.set_title(f"{r['task']} ({r['label']}): per-layer bits over training")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = out / "bits_per_layer.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="runs", help="folder with benchmark JSON (default: %(default)s)")
@@ -73,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     net = newest(results, "bench_network")
     if net is not None:
         made.append(plot_step_time_vs_link(json.loads(net.read_text()), out))
+    conv = newest(results, "bench_convergence")
+    if conv is not None:
+        rows = json.loads(conv.read_text())
+        made.append(plot_traffic_vs_accuracy(rows, out))
+        bits = plot_bits_per_layer(rows, out)
+        if bits is not None:
+            made.append(bits)
     if not made:
         logger.error(
             "no benchmark JSON found under %s: run jobs.bench_* with --json %s/<name>.json first",
