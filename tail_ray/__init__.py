@@ -1,6 +1,7 @@
 """tail-ray: Tail gradient compression for PyTorch DDP on Ray Train."""
 
 from tail_ray.compression import Compressor, LayerStats, compressor_names, make_compressor
+from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.errors import CodecError, ConfigError, TailError
 
 __all__ = [
@@ -8,6 +9,8 @@ __all__ = [
     "Compressor",
     "ConfigError",
     "LayerStats",
+    "TailCompressor",
+    "TailConfig",
     "TailError",
     "compressor_names",
     "make_compressor",

@@ -1,0 +1,128 @@
+"""Closed-form quantization error, estimated without quantizing anything.
+
+For stochastic rounding onto the grid {k * s / L} an element x (f = frac(|x| * L / s)) is
+rounded up with probability f, so its expected squared error is (s / L)^2 * f * (1 - f). Summed
+over a layer and divided by ||x||^2 this is nu_b, the expected relative quantization error
+E||Q_b(x) - x||^2 / ||x||^2 at b bits.
+
+Approximate computing: instead of all buckets, a random handful of whole buckets (a few
+thousand elements) gives an unbiased estimate of both sums (each sampled bucket has its exact
+scale), so the decision costs microseconds. ``bucket_errors`` computes the same sums over any
+set of buckets, so the exact value is the same call with every bucket.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _frac_sum(xb, inv):  # type: ignore[no-untyped-def]
+    """sum f (1 - f), f = frac(|x| * inv); truncation is floor since the argument is >= 0."""
+    acc = np.float32(0.0)
+    for i in range(xb.size):
+        y = abs(xb[i]) * inv
+        f = y - np.float32(np.int32(y))
+        acc += f * (np.float32(1.0) - f)
+    return acc
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # type: ignore[no-untyped-def]
+    """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f); returns (sum of x^2, non-zero buckets).
+
+    Written as short loops over a bucket-sized scratch (slices, integer max-abs) so that LLVM
+    vectorizes each of them; the bucket stays in L1 across the candidates.
+    """
+    n = g.size
+    den = 0.0
+    nonzero = 0
+    scratch = np.empty(bucket_size, np.float32)
+    box = np.empty(1, np.int32)
+    fbox = box.view(np.float32)
+    for t in range(bucket_ids.size):
+        k = bucket_ids[t]
+        lo = k * bucket_size
+        hi = min(n, lo + bucket_size)
+        xb = scratch[: hi - lo]
+        gb = g[lo:hi]
+        if use_e:
+            eb = e[lo:hi]
+            for i in range(xb.size):
+                xb[i] = gb[i] + eb[i]
+        else:
+            for i in range(xb.size):
+                xb[i] = gb[i]
+        u = xb.view(np.int32)
+        mi = np.int32(0)
+        sq = np.float32(0.0)
+        for i in range(u.size):
+            mi = max(mi, u[i] & np.int32(0x7FFFFFFF))
+            sq += xb[i] * xb[i]
+        den += np.float64(sq)
+        box[0] = mi
+        m = fbox[0]
+        if m == 0:
+            continue
+        nonzero += 1
+        for j in range(lmaxes.size):
+            lf = np.float32(lmaxes[j])
+            step = np.float64(m) / np.float64(lf)
+            num[j] += step * step * np.float64(_frac_sum(xb, lf / m))
+    return den, nonzero
+
+
+def bucket_errors(
+    g: np.ndarray,
+    residual: np.ndarray | None,
+    bucket_size: int,
+    bucket_ids: np.ndarray,
+    candidate_bits: tuple[int, ...],
+) -> tuple[np.ndarray, float, int]:
+    """(sum of expected squared errors per candidate bits, sum of squares, non-zero buckets)
+    over ``bucket_ids``. The values are those of g + residual (or g alone when residual is None).
+    """
+    lmaxes = np.array([(1 << (b - 1)) - 1 if b > 1 else 1 for b in candidate_bits], dtype=np.int64)
+    num = np.zeros(len(candidate_bits), dtype=np.float64)
+    e = residual if residual is not None else g
+    den, nonzero = _bucket_error_sums(g, e, residual is not None, bucket_size, bucket_ids, lmaxes, num)
+    return num, float(den), int(nonzero)
+
+
+# A sample whose buckets are mostly all-zero (dead units: whole rows of zeros) rests on a
+# couple of buckets; draw more, up to this many times the requested sample.
+_MAX_SAMPLE_GROWTH = 4
+
+
+def relative_errors(
+    g: np.ndarray,
+    residual: np.ndarray | None,
+    bucket_size: int,
+    candidate_bits: tuple[int, ...],
+    *,
+    sample_numel: int | None,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """Estimated nu_b for each candidate b: exact when ``sample_numel`` is None or covers the
+    layer, otherwise from ``ceil(sample_numel / bucket_size)`` whole buckets, evenly spaced from a
+    random start (more when most of those are all-zero)."""
+    nb = -(-g.size // bucket_size)
+    if sample_numel is None or sample_numel >= g.size:
+        num, den, _ = bucket_errors(g, residual, bucket_size, np.arange(nb, dtype=np.int64), candidate_bits)
+    else:
+        # Systematic sample: k buckets evenly spaced from a random start. Every bucket is equally
+        # likely to be drawn (so both sums stay unbiased), spread covers the whole layer, and
+        # it costs far less than rng.choice(replace=False).
+        k0 = min(nb, max(1, -(-sample_numel // bucket_size)))
+        k = k0
+        while True:
+            start = int(rng.integers(nb))
+            ids = (start + (np.arange(k, dtype=np.int64) * nb) // k) % nb
+            num, den, nonzero = bucket_errors(g, residual, bucket_size, ids, candidate_bits)
+            if 2 * nonzero >= k0 or k >= nb or k >= _MAX_SAMPLE_GROWTH * k0:
+                break
+            k = min(nb, 2 * k)
+    if den <= 0.0:
+        return np.zeros(len(candidate_bits), dtype=np.float64)
+    return num / den

@@ -1,0 +1,62 @@
+"""Error-feedback memory (GRACE's "memory" role): one residual per layer NAME.
+
+The residual e is what earlier steps meant to send but the quantizer dropped. Each step
+sends Q(g + e) and keeps e <- (g + e) - Q(g + e), so nothing is lost, only delayed. Keys are
+parameter names, never DDP bucket indices (DDP rebuilds its buckets after the first step).
+
+Two ways to use it:
+- generic: ``compensated = mem.compensate(name, g)`` ... ``mem.update(name, compensated, decoded)``
+  (the top-k peer does this);
+- fused: ``mem.buffer(name, numel)`` hands out the residual array itself, which Tail's numba
+  kernel turns into g + e and then into the new residual in one pass, without temporaries.
+
+On resize/restart the residuals are per worker: see ``TailCompressor.load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+
+class ErrorFeedback:
+    def __init__(self) -> None:
+        self._residuals: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._residuals
+
+    def names(self) -> list[str]:
+        return list(self._residuals)
+
+    def buffer(self, name: str, numel: int) -> np.ndarray:
+        """The residual of ``name`` (zeros the first time, or when the layer's size changed)."""
+        e = self._residuals.get(name)
+        if e is None or e.size != numel:
+            e = np.zeros(numel, dtype=np.float32)
+            self._residuals[name] = e
+        return e
+
+    def compensate(self, name: str, grad: np.ndarray) -> np.ndarray:
+        """g + e as a new float32 array (the caller's gradient is never modified)."""
+        return grad.astype(np.float32, copy=True) + self.buffer(name, grad.size)
+
+    def update(self, name: str, compensated: np.ndarray, decoded: np.ndarray) -> None:
+        """e <- compensated - decoded: what this step failed to send."""
+        e = self.buffer(name, compensated.size)
+        np.subtract(compensated, decoded, out=e)
+
+    def reset(self, name: str | None = None) -> None:
+        if name is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {name: e.copy() for name, e in self._residuals.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self._residuals = {
+            str(name): np.array(e, dtype=np.float32, copy=True).reshape(-1) for name, e in state.items()
+        }

@@ -1,0 +1,76 @@
+"""Per-layer plumbing shared by the quantizing compressors (Tail, qsgd, topk)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tail_ray.compression.quantize import dequantize
+from tail_ray.compression.stats import LayerStats
+from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord
+
+log = logging.getLogger(__name__)
+
+# Warn about non-finite layers at most this many times per process: a diverging run would
+# otherwise flood the log every step.
+_NONFINITE_WARNINGS = 5
+_nonfinite_warned = 0
+
+
+def as_flat_f32(t: torch.Tensor) -> np.ndarray:
+    """A flat float32 numpy view of the gradient (a copy only if it is not CPU fp32 contiguous).
+
+    Read-only use: compressors never write into the caller's gradient.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype != torch.float32:
+        flat = flat.to("cpu", torch.float32)
+    return flat.numpy()
+
+
+def raw_record(name: str, g: np.ndarray) -> LayerRecord:
+    return LayerRecord(name=name, numel=int(g.size), kind=Kind.RAW_F32, values=g)
+
+
+def warn_nonfinite(name: str) -> None:
+    global _nonfinite_warned
+    if _nonfinite_warned < _NONFINITE_WARNINGS:
+        _nonfinite_warned += 1
+        log.warning(
+            "layer %r has NaN/Inf gradients: sent raw fp32 unchanged (as plain DDP would), "
+            "its error-feedback residual is left as it was",
+            name,
+        )
+
+
+def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
+    """One LayerStats from what was sent (``nnz``: non-zero levels / kept values) and its cost."""
+    bits = {Kind.QUANT: rec.bits, Kind.RAW_F16: 16}.get(rec.kind, 32)
+    density = 1.0 if nnz is None else nnz / rec.numel if rec.numel else 0.0
+    return LayerStats(
+        layer=rec.name,
+        numel=rec.numel,
+        bits=bits,
+        density=float(density),
+        raw_bytes=4 * rec.numel,
+        encoded_bytes=cost.encoded_bytes,
+        rel_error=float(rel_error),
+        code=cost.code,
+    )
+
+
+def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
+    """Decode records to flat fp32 tensors; quantized layers through the fast numba kernel."""
+    from tail_ray.compression.peers import records_to_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    rest: list[LayerRecord] = []
+    for rec in records:
+        if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
+            out[rec.name] = torch.from_numpy(dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size))
+        else:
+            rest.append(rec)
+    out.update(records_to_tensors(rest))
+    return {rec.name: out[rec.name] for rec in records}

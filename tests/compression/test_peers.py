@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+import torch
+
+from tail_ray import ConfigError, compressor_names, make_compressor
+from tail_ray.compression.wire import Kind, decode_payload
+
+
+def _grads(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 256, generator=gen), "b": torch.randn(64, generator=gen)}
+
+
+def test_registry_lists_every_method():
+    assert {"none", "qsgd", "topk", "tail"} <= set(compressor_names())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_uses_fixed_bits_and_is_stateless_without_feedback(bits):
+    comp = make_compressor("qsgd", bits=bits, bucket_size=256)
+    grads = _grads()
+    recs = {r.name: r for r in decode_payload(comp.compress(grads))}
+    assert recs["w"].kind == Kind.QUANT and recs["w"].bits == bits and recs["w"].bucket_size == 256
+    assert recs["b"].kind == Kind.RAW_F32
+    assert comp.state_dict() == {"residuals": {}}
+    dec = make_compressor("qsgd").decompress(comp.compress(grads))
+    err = float((dec["w"] - grads["w"].reshape(-1)).pow(2).sum() / grads["w"].pow(2).sum())
+    est = {s.layer: s for s in comp.last_stats}["w"].rel_error
+    assert err == pytest.approx(est, rel=0.3)
+
+
+def test_qsgd_rejects_bad_bits():
+    with pytest.raises(ConfigError, match="bits"):
+        make_compressor("qsgd", bits=1)
+
+
+def test_topk_keeps_largest_and_feeds_back_the_rest():
+    comp = make_compressor("topk", density=0.05)
+    g = _grads(1)
+    payload = comp.compress(g)
+    rec = {r.name: r for r in decode_payload(payload)}["w"]
+    assert rec.kind == Kind.SPARSE_F32
+    k = round(0.05 * g["w"].numel())
+    assert len(rec.indices) == k
+    flat = g["w"].reshape(-1).numpy()
+    threshold = np.sort(np.abs(flat))[-k]
+    assert np.all(np.abs(rec.values) >= threshold)
+    dec = comp.decompress(payload)["w"].numpy()
+    residual = comp.feedback.buffer("w", flat.size)
+    np.testing.assert_allclose(dec + residual, flat, atol=1e-7)
+    stats = {s.layer: s for s in comp.last_stats}["w"]
+    assert stats.density == pytest.approx(0.05, rel=0.01) and stats.ratio > 5
+
+
+def test_topk_rejects_bad_density():
+    with pytest.raises(ConfigError, match="density"):
+        make_compressor("topk", density=0.0)
+
+
+def test_peers_send_nonfinite_layers_raw():
+    g = _grads(2)
+    g["w"][0, 0] = float("inf")
+    for name in ("qsgd", "topk"):
+        comp = make_compressor(name)
+        dec = comp.decompress(comp.compress(g))
+        assert torch.equal(dec["w"], g["w"].reshape(-1))
