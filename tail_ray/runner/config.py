@@ -18,6 +18,9 @@ import yaml
 from tail_ray.errors import ConfigError
 
 METHODS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk", "tail")
+OPTIMIZERS = ("sgd", "adamw")
+_SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string"}
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,20 @@ class JobConfig:
     max_failures: int = 3
     storage_path: str = ""  # "" -> ~/ray_results/tail_ray
     job_id: str = ""  # "" -> the Ray job's submission id, else the run name
+    # Added by the runner (all optional, defaults keep older configs valid):
+    optimizer: str = "sgd"  # one of OPTIMIZERS
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    # The lr is multiplied by lr_drop_factor once, at step int(lr_drop_at * steps); this gives
+    # the Tail controller a real "right after an lr drop" phase. lr_drop_at=1.0: no drop.
+    lr_drop_at: float = 0.75
+    lr_drop_factor: float = 0.1
+    elastic_resize_interval_s: float = 60.0  # how often Ray Train considers growing the group
+    checkpoints_to_keep: int = 2
+    metrics_queue_records: int = 20_000  # per worker; older records are dropped and counted
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.method not in METHODS:
             raise ConfigError(f"method={self.method!r} is not one of {list(METHODS)}")
         if not 1 <= self.min_workers <= self.max_workers:
@@ -53,6 +68,54 @@ class JobConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not one of {list(OPTIMIZERS)}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0.0 < self.lr_drop_at <= 1.0:
+            raise ConfigError(f"lr_drop_at is a fraction of steps in (0, 1], got {self.lr_drop_at}")
+        if not 0.0 < self.lr_drop_factor <= 1.0:
+            raise ConfigError(f"lr_drop_factor must be in (0, 1], got {self.lr_drop_factor}")
+        if self.cpus_per_worker <= 0 or self.gpus_per_worker < 0:
+            raise ConfigError(
+                f"need cpus_per_worker > 0 and gpus_per_worker >= 0, "
+                f"got {self.cpus_per_worker} and {self.gpus_per_worker}"
+            )
+        if self.elastic_resize_interval_s <= 0:
+            raise ConfigError(f"elastic_resize_interval_s must be > 0, got {self.elastic_resize_interval_s}")
+        for name in ("checkpoints_to_keep", "metrics_queue_records"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_failures < -1:
+            raise ConfigError(f"max_failures must be >= -1 (-1: retry forever), got {self.max_failures}")
+        if not isinstance(self.compression, Mapping):
+            raise ConfigError(f"compression must be a mapping of settings, got {self.compression!r}")
+
+    def _check_types(self) -> None:
+        """Reject values of the wrong type with a ConfigError (YAML and ``--set`` parse ``steps=1e3``
+        as a string, ``lr=1`` as an int); ints are accepted (and stored) where floats are expected."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+            if expected == "float" and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+            elif expected in _SCALAR_TYPES and (
+                not isinstance(value, _SCALAR_TYPES[expected]) or isinstance(value, bool)
+            ):
+                raise ConfigError(
+                    f"{f.name} must be {_TYPE_WORDS[expected]}, got {value!r} ({type(value).__name__})"
+                )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate for ``step`` (0-based): ``lr``, then ``lr * lr_drop_factor`` from
+        the drop step on."""
+        return self.lr * (self.lr_drop_factor if step >= self.lr_drop_step else 1.0)
+
+    @property
+    def lr_drop_step(self) -> int:
+        return int(self.lr_drop_at * self.steps) if self.lr_drop_at < 1.0 else self.steps
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> JobConfig:
@@ -81,7 +144,13 @@ class JobConfig:
             key, sep, raw = item.partition("=")
             if not sep or not key:
                 raise ConfigError(f"override {item!r} must look like key=value")
-            value = yaml.safe_load(raw) if raw else ""
+            if key in _STR_FIELDS:
+                value: Any = raw  # `--set job_id=123` or `name=2024` stay strings
+            else:
+                try:
+                    value = yaml.safe_load(raw) if raw else ""
+                except yaml.YAMLError as exc:
+                    raise ConfigError(f"override {item!r}: cannot parse the value: {exc}") from None
             if key.startswith("compression."):
                 data["compression"][key.removeprefix("compression.")] = value
             else:
@@ -92,3 +161,6 @@ class JobConfig:
         out = dataclasses.asdict(self)
         out["compression"] = dict(self.compression)
         return out
+
+
+_STR_FIELDS = frozenset(f.name for f in dataclasses.fields(JobConfig) if f.type == "str")
