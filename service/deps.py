@@ -1,0 +1,80 @@
+"""Dependencies: the app's singletons, auth, and a job loaded once or 404.
+
+The singletons (settings, storage, Ray gateway) are built once in ``main.create_app`` and
+kept on ``app.state``; routes receive them through the ``Annotated`` aliases below.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.errors import Forbidden, JobNotFound, Unauthorized
+from service.ingester import Ingester
+from service.ray_client import RayGateway
+from service.settings import Settings
+from service.storage import JobRow, Storage
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_storage(request: Request) -> Storage:
+    storage: Storage = request.app.state.storage
+    return storage
+
+
+def get_ray(request: Request) -> RayGateway:
+    gateway: RayGateway = request.app.state.ray
+    return gateway
+
+
+def get_ingester(request: Request) -> Ingester:
+    ingester: Ingester = request.app.state.ingester
+    return ingester
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StorageDep = Annotated[Storage, Depends(get_storage)]
+RayDep = Annotated[RayGateway, Depends(get_ray)]
+IngesterDep = Annotated[Ingester, Depends(get_ingester)]
+
+_bearer = HTTPBearer(auto_error=False, description="The service's API token (TAIL_RAY_API_TOKEN).")
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _check_token(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> None:
+    if credentials is None:
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <TAIL_RAY_API_TOKEN>'")
+    expected = settings.api_token.get_secret_value().encode()
+    if not secrets.compare_digest(credentials.credentials.encode(), expected):
+        raise Forbidden("invalid bearer token")
+
+
+def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
+    """Every mutating route depends on this."""
+    _check_token(settings, credentials)
+
+
+def guard_reads(settings: SettingsDep, credentials: BearerDep) -> None:
+    """Read routes: open unless ``read_requires_token`` is set."""
+    if settings.read_requires_token:
+        _check_token(settings, credentials)
+
+
+JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+def load_job(job_id: JobIdPath, storage: StorageDep) -> JobRow:
+    job = storage.get_job(job_id)
+    if job is None:
+        raise JobNotFound(f"no job {job_id!r}; list jobs with GET /v1/jobs")
+    return job
+
+
+JobDep = Annotated[JobRow, Depends(load_job)]

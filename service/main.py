@@ -1,0 +1,61 @@
+"""The FastAPI app: wiring only. Run with `uvicorn --factory service.main:create_app`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from service.errors import install_error_handlers
+from service.ingester import Ingester
+from service.ray_client import RayGateway
+from service.routers import health, jobs, metrics
+from service.settings import Settings
+from service.storage import Storage
+
+logger = logging.getLogger(__name__)
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()  # type: ignore[call-arg]  # fields come from the environment
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.storage = Storage(settings.db_path)
+        app.state.ray = RayGateway(settings)
+        app.state.ingester = Ingester(settings, app.state.storage, app.state.ray)
+        stop = asyncio.Event()
+        task = asyncio.create_task(app.state.ingester.run_forever(stop)) if settings.ingest_enabled else None
+        try:
+            yield
+        finally:
+            stop.set()
+            if task is not None:
+                await task
+
+    app = FastAPI(
+        title="tail-ray",
+        version="0.1.0",
+        summary="Submit Tail-compressed training jobs to Ray and watch per-layer compression live.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(jobs.router)
+    app.include_router(metrics.router)
+    app.include_router(metrics.prometheus_router)
+    app.include_router(health.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    return app

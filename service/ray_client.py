@@ -1,0 +1,235 @@
+"""The service's only door to Ray: the Jobs API (submit, list, stop, logs) and the sink reads.
+
+- Jobs go through ``JobSubmissionClient`` against the job server, with the cluster's token
+  in the ``Authorization`` header. The token never appears in what we return or log:
+  ``redact`` scrubs it from every error message that leaves this module.
+- Sinks are Ray actors, read with ``ray.get`` from a driver this process connects lazily.
+- Everything here blocks; the API and the ingester call it from worker threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shlex
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.job_submission import JobSubmissionClient
+
+from service.errors import JobConflict, JobNotFound, RayUnavailable
+from service.schemas import TRAIN_MODULE
+from service.settings import Settings
+from tail_ray.metrics import sink as sink_mod
+
+logger = logging.getLogger(__name__)
+
+JOB_METADATA_KEY = "tail_ray"
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """What the service keeps of a Ray job."""
+
+    submission_id: str
+    status: str
+    message: str
+    entrypoint: str
+    start_time_s: float | None
+    end_time_s: float | None
+
+
+def is_train_entrypoint(entrypoint: str) -> bool:
+    """True for `python -m jobs.train ...` (any python, any arguments)."""
+    try:
+        args = shlex.split(entrypoint)
+    except ValueError:
+        return False
+    return any(a == "-m" and b == TRAIN_MODULE for a, b in itertools.pairwise(args))
+
+
+def name_from_entrypoint(entrypoint: str, default: str) -> str:
+    """The job name a hand-written entrypoint sets with `--set name=...`, if any."""
+    try:
+        args = shlex.split(entrypoint)
+    except ValueError:
+        return default
+    for flag, value in itertools.pairwise(args):
+        if flag == "--set" and value.startswith("name="):
+            return value.removeprefix("name=").strip("\"'")[:64] or default
+    return default
+
+
+class RayGateway:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._client: JobSubmissionClient | None = None
+        self._secret = settings.ray_token()
+
+    # ------------------------------------------------------------ helpers
+    def redact(self, text: str) -> str:
+        if self._secret:
+            text = text.replace(self._secret, "***")
+        return text
+
+    def _unavailable(self, what: str, exc: BaseException) -> RayUnavailable:
+        message = self.redact(f"{what}: {type(exc).__name__}: {exc}")
+        logger.warning("%s", message)
+        return RayUnavailable(message[:2000])
+
+    def _jobs(self) -> JobSubmissionClient:
+        with self._lock:
+            if self._client is None:
+                headers = {"Authorization": f"Bearer {self._secret}"} if self._secret else None
+                try:
+                    self._client = JobSubmissionClient(self.settings.ray_dashboard_url, headers=headers)
+                except Exception as exc:
+                    raise self._unavailable(
+                        f"cannot reach the Ray job server at {self.settings.ray_dashboard_url}", exc
+                    ) from None
+            return self._client
+
+    def _drop_client(self) -> None:
+        with self._lock:
+            self._client = None
+
+    # ------------------------------------------------------------ jobs API
+    def submit(self, submission_id: str, entrypoint: str) -> None:
+        runtime_env: dict[str, Any] = {"env_vars": {"RAY_AUTH_MODE": "token"}}
+        if self.settings.job_working_dir is not None:
+            runtime_env["working_dir"] = str(self.settings.job_working_dir)
+        try:
+            self._jobs().submit_job(
+                entrypoint=entrypoint,
+                submission_id=submission_id,
+                runtime_env=runtime_env,
+                metadata={JOB_METADATA_KEY: "service"},
+                entrypoint_num_cpus=0,
+            )
+        except RayUnavailable:
+            raise
+        except Exception as exc:
+            self._drop_client()
+            raise self._unavailable("Ray refused the job submission", exc) from None
+
+    def list_train_jobs(self) -> list[RayJob]:
+        """Every job on the cluster whose entrypoint is `python -m jobs.train`."""
+        try:
+            details = self._jobs().list_jobs()
+        except RayUnavailable:
+            raise
+        except Exception as exc:
+            self._drop_client()
+            raise self._unavailable("cannot list Ray jobs", exc) from None
+        out = []
+        for d in details:
+            if d.submission_id and is_train_entrypoint(d.entrypoint or ""):
+                out.append(_ray_job(d))
+        return out
+
+    def job(self, submission_id: str) -> RayJob:
+        try:
+            return _ray_job(self._jobs().get_job_info(submission_id))
+        except RayUnavailable:
+            raise
+        except RuntimeError as exc:
+            if "does not exist" in str(exc):
+                raise JobNotFound(f"Ray has no job {submission_id!r}") from None
+            raise self._unavailable("cannot read the Ray job", exc) from None
+        except Exception as exc:
+            raise self._unavailable("cannot read the Ray job", exc) from None
+
+    def stop(self, submission_id: str) -> bool:
+        try:
+            return bool(self._jobs().stop_job(submission_id))
+        except RayUnavailable:
+            raise
+        except RuntimeError as exc:
+            if "does not exist" in str(exc):
+                raise JobConflict(f"Ray has no job {submission_id!r} to stop") from None
+            raise self._unavailable("cannot stop the Ray job", exc) from None
+        except Exception as exc:
+            raise self._unavailable("cannot stop the Ray job", exc) from None
+
+    def logs(self, submission_id: str) -> str:
+        try:
+            return self.redact(self._jobs().get_job_logs(submission_id))
+        except RayUnavailable:
+            raise
+        except RuntimeError as exc:
+            if "does not exist" in str(exc):
+                raise JobNotFound(f"Ray has no logs for job {submission_id!r}") from None
+            raise self._unavailable("cannot read the job logs", exc) from None
+        except Exception as exc:
+            raise self._unavailable("cannot read the job logs", exc) from None
+
+    def ping_jobs(self) -> None:
+        """Raises RayUnavailable unless the job server answers."""
+        try:
+            self._jobs().list_jobs()
+        except RayUnavailable:
+            raise
+        except Exception as exc:
+            self._drop_client()
+            raise self._unavailable("Ray job server did not answer", exc) from None
+
+    # ------------------------------------------------------------ sinks (Ray core)
+    def connect(self) -> None:
+        """Join the cluster as a driver (once per process; reused if already connected)."""
+        if ray.is_initialized():
+            return
+        with self._lock:
+            if ray.is_initialized():
+                return
+            # Ray reads its token from the environment or ~/.ray/auth_token; say token auth.
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            if self.settings.ray_auth_token is not None:
+                os.environ["RAY_AUTH_TOKEN"] = self.settings.ray_auth_token.get_secret_value()
+            try:
+                ray.init(
+                    address=self.settings.ray_address,
+                    namespace="tail_ray_service",
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            except Exception as exc:
+                raise self._unavailable(
+                    f"cannot join the Ray cluster at {self.settings.ray_address}", exc
+                ) from None
+
+    def read_sink(self, job_id: str, after_seq: int, limit: int) -> dict[str, Any] | None:
+        """One page from the job's sink, or None when the job has no sink (yet, or any more)."""
+        self.connect()
+        try:
+            handle = sink_mod.find_sink(job_id)
+            if handle is None:
+                return None
+            ref: ray.ObjectRef = handle.read.remote(after_seq, limit)
+            return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
+        except ray.exceptions.RayActorError:
+            return None  # the sink was closed between find and read
+        except Exception as exc:
+            raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
+
+    def close_sink(self, job_id: str) -> None:
+        self.connect()
+        try:
+            sink_mod.close_sink(job_id)
+        except Exception as exc:
+            logger.warning("could not close the sink of job %s: %s", job_id, self.redact(str(exc)))
+
+
+def _ray_job(d: Any) -> RayJob:
+    status = getattr(d.status, "value", str(d.status))
+    return RayJob(
+        submission_id=str(d.submission_id),
+        status=str(status),
+        message=str(d.message or ""),
+        entrypoint=str(d.entrypoint or ""),
+        start_time_s=d.start_time / 1000.0 if d.start_time else None,
+        end_time_s=d.end_time / 1000.0 if d.end_time else None,
+    )

@@ -1,0 +1,78 @@
+"""Service settings: read from the environment (prefix ``TAIL_RAY_``) once, in one place.
+
+The app builds one ``Settings`` at start-up and hands it around through ``deps``; nothing
+else in the service reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_HOME = Path.home() / ".tail_ray"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TAIL_RAY_", extra="ignore", frozen=True)
+
+    # --- the service's own API ---
+    api_token: SecretStr = Field(
+        description="Bearer token every mutating route requires (set TAIL_RAY_API_TOKEN; "
+        "`tail-ray up` generates one).",
+        min_length=16,
+    )
+    read_requires_token: bool = Field(False, description="Guard GET routes with the token too.")
+
+    # --- storage ---
+    db_path: Path = DEFAULT_HOME / "service.sqlite"
+
+    # --- Ray ---
+    ray_address: str = Field("auto", description="GCS address the service's driver connects to.")
+    ray_dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray job server (dashboard) URL.")
+    ray_auth_token: SecretStr | None = Field(
+        None, description="The Ray cluster's token; when unset it is read from ray_auth_token_path."
+    )
+    ray_auth_token_path: Path = Path.home() / ".ray" / "auth_token"
+    job_working_dir: Path | None = Field(
+        REPO_ROOT,
+        description="Directory shipped as the job's runtime_env working_dir (holds jobs/ and "
+        "tail_ray/); None when the cluster's image already has the package installed.",
+    )
+
+    # --- background work ---
+    ingest_enabled: bool = True
+    ingest_interval_s: float = Field(1.0, gt=0, le=60)
+    ingest_batch_records: int = Field(5_000, ge=1, le=100_000)
+    sync_interval_s: float = Field(3.0, gt=0, le=300)
+    drain_grace_s: float = Field(5.0, ge=0, le=600)
+    close_drained_sinks: bool = True
+    ray_timeout_s: float = Field(10.0, gt=0, le=120)
+
+    # --- reads ---
+    sse_interval_s: float = Field(1.0, gt=0, le=60)
+    logs_max_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
+    prometheus_max_jobs: int = Field(20, ge=1, le=1000)
+    prometheus_max_layers: int = Field(64, ge=1, le=10_000)
+
+    @field_validator("job_working_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value in ("", "none", "None") else value
+
+    @field_validator("db_path", "ray_auth_token_path", "job_working_dir")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    def ray_token(self) -> str | None:
+        """The Ray cluster's token: from settings, else from Ray's token file, else None."""
+        if self.ray_auth_token is not None:
+            return self.ray_auth_token.get_secret_value()
+        try:
+            token = self.ray_auth_token_path.read_text().strip()
+        except OSError:
+            return None
+        return token or None

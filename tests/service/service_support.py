@@ -1,0 +1,139 @@
+"""Helpers shared by the service tests: a Ray head per module, settings, records, a live server."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from service.main import create_app
+from service.ray_head import HeadPorts, LocalRayHead, free_port
+from service.settings import Settings
+from tail_ray.metrics.records import LayerMetric, StepMetric
+
+API_TOKEN = "test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+LAYERS = ("conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight")
+
+
+@contextmanager
+def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
+    """A private Ray head on free ports, this process connected as a driver."""
+    import ray
+
+    head = LocalRayHead(HeadPorts.pick(), num_cpus=num_cpus, log_path=tmp_dir / "ray-head.log")
+    head.start()
+    try:
+        ray.init(address=head.ports.gcs_address, log_to_driver=False, configure_logging=False)
+        yield head
+    finally:
+        ray.shutdown()
+        head.stop()
+
+
+def make_settings(db_path: Path, head: LocalRayHead | None, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "api_token": API_TOKEN,
+        "db_path": db_path,
+        "ingest_interval_s": 0.2,
+        "sync_interval_s": 0.5,
+        "drain_grace_s": 0.5,
+        "sse_interval_s": 0.2,
+    }
+    if head is not None:
+        values["ray_address"] = head.ports.gcs_address
+        values["ray_dashboard_url"] = head.ports.dashboard_url
+    else:
+        values["ray_dashboard_url"] = f"http://127.0.0.1:{free_port()}"
+        values["ingest_enabled"] = False
+    values.update(overrides)
+    return Settings(**values)
+
+
+def step_records(
+    job_id: str, step: int, ranks: int = 2, ratio_scale: float = 1.0, layers: tuple[str, ...] = LAYERS
+) -> list[dict[str, Any]]:
+    """The records `ranks` workers would send for one step (layer records, then a step record)."""
+    out: list[dict[str, Any]] = []
+    for rank in range(ranks):
+        raw_total = sent_total = 0
+        for i, layer in enumerate(layers):
+            numel = 1000 * (i + 1)
+            raw = 4 * numel
+            bits = 2 + (i + step) % 6
+            encoded = max(1, int(raw / (ratio_scale * (i + 2))))
+            raw_total += raw
+            sent_total += encoded
+            out.append(
+                LayerMetric(
+                    job_id=job_id, step=step, rank=rank, layer=layer, numel=numel, bits=bits,
+                    density=0.5, raw_bytes=raw, encoded_bytes=encoded, ratio=raw / encoded,
+                    rel_error=0.01 * bits, code="tail",
+                ).to_dict()
+            )  # fmt: skip
+        out.append(
+            StepMetric(
+                job_id=job_id, step=step, rank=rank, world_size=ranks, bytes_sent=sent_total,
+                bytes_received=sent_total * (ranks - 1), raw_bytes=raw_total, compress_s=0.001,
+                decode_s=0.001, comm_s=0.002, step_s=0.01 + 0.001 * rank, loss=2.0 / (step + 1) + 0.1 * rank,
+                method="tail", wall_time_s=time.time(),
+            ).to_dict()
+        )  # fmt: skip
+    return out
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]  # fmt: skip
+
+
+@contextmanager
+def chromium_page() -> Iterator[Any]:
+    """A page in Debian's headless Chromium driven by Playwright (never `playwright install`)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
+
+
+class LiveServer:
+    """The real app under uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 30, "uvicorn to start", 0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,85 @@
+"""The dashboard in a real headless Chromium: it shows the job's layers and follows new steps.
+Steps are driven by pushing records into the job's real sink actor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from playwright.sync_api import Page
+from service_support import LAYERS, LiveServer, chromium_page, make_settings, ray_cluster, step_records
+
+from service.ray_head import LocalRayHead
+from service.storage import Storage
+from tail_ray.metrics.sink import get_or_create_sink
+
+pytestmark = [pytest.mark.ray, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
+    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=1) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def page() -> Iterator[Page]:
+    with chromium_page() as p:
+        yield p
+
+
+def _push(job_id: str, steps: range, ratio_scale: float) -> None:
+    sink = get_or_create_sink(job_id)
+    for step in steps:
+        ray.get(sink.push.remote(step_records(job_id, step, ratio_scale=ratio_scale)))
+
+
+def _layer_ratios(page: Page) -> list[float]:
+    return page.evaluate("() => window.tailDashboard.charts.layer.data.datasets[0].data")
+
+
+def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_path: Path, page: Page) -> None:
+    db = tmp_path / "db.sqlite"
+    job_id = "browser-job"
+    spec = {"method": "tail", "model": "digits_cnn", "dataset": "digits"}
+    Storage(db).insert_job(
+        job_id=job_id,
+        name="live-digits",
+        source="api",
+        status="RUNNING",
+        entrypoint="python -m jobs.train",
+        spec=spec,
+    )
+    _push(job_id, range(3), ratio_scale=1.0)
+    with LiveServer(make_settings(db, head)) as server:
+        page.goto(f"{server.url}/?poll_ms=300#job={job_id}")
+        page.wait_for_function(
+            "n => window.tailDashboard.charts.layer.data.labels.length === n", arg=len(LAYERS), timeout=30_000
+        )
+        assert page.evaluate("() => window.tailDashboard.charts.layer.data.labels") == list(LAYERS)
+        page.wait_for_function(
+            "() => document.getElementById('last-step').textContent === '2'", timeout=30_000
+        )
+        assert page.locator("#jobs-table tbody tr").first.inner_text().startswith("live-digits")
+        assert page.locator("#layer-table tbody tr").count() == len(LAYERS)
+        before = _layer_ratios(page)
+        assert all(r > 1 for r in before)
+        assert page.evaluate("() => window.tailDashboard.charts.traffic.data.labels.length") == 3
+
+        _push(job_id, range(3, 6), ratio_scale=3.0)  # training moves on; compression tightens
+        page.wait_for_function(
+            "() => document.getElementById('last-step').textContent === '5'", timeout=30_000
+        )
+        page.wait_for_function(
+            "() => window.tailDashboard.charts.traffic.data.labels.length === 6", timeout=30_000
+        )
+        after = _layer_ratios(page)
+        assert len(after) == len(LAYERS)
+        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+        steps_in_table = page.locator("#layer-table tbody tr td:nth-child(2)").all_inner_texts()
+        assert steps_in_table == ["5"] * len(LAYERS)
+        assert page.locator("#world-size").inner_text() == "2"
+        assert page.locator("#ratio").inner_text().endswith("\u00d7")  # the multiplication sign
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
