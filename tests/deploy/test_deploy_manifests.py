@@ -1,0 +1,401 @@
+"""deploy/: every file parses, the Kubernetes manifests validate, and they agree with each other
+and with the code they run (job config, service settings, Ray token auth, elastic range)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import shlex
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_support import (
+    DEPLOY,
+    OLDEST_K8S,
+    REPO,
+    arg_defaults,
+    dockerfile,
+    env_of,
+    manifests,
+    objects,
+    pod_templates,
+    ports_of,
+    pyproject,
+    ray_cluster,
+    ray_job,
+    service_deployment,
+    service_env_names,
+    service_service,
+    walk,
+)
+from fastapi.testclient import TestClient
+from kuberay_schema import kuberay_errors
+
+NEWEST_K8S = kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version())
+K8S_VERSIONS = (OLDEST_K8S, NEWEST_K8S)
+NAMESPACE = "tail-ray"
+RAY_IMAGE_HOME = Path("/home/ray")  # the home of user `ray` in the rayproject/ray images
+RAY_SECRET = ("ray-auth-token", "auth_token")
+API_SECRET = ("tail-ray-api-token", "token")
+
+
+def k8s_errors(doc: dict, version: str) -> list[str]:
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as err:
+        return [f"{'.'.join(map(str, err.path))}: {err.message}"]
+    return []
+
+
+def validation_errors(doc: dict, version: str) -> list[str]:
+    if doc["apiVersion"] == "ray.io/v1":
+        return kuberay_errors(doc, version)
+    return k8s_errors(doc, version)
+
+
+# --- parsing and schema validation -----------------------------------------------------------
+
+
+def test_every_yaml_and_json_under_deploy_parses():
+    files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in {".yaml", ".yml", ".json"})
+    assert len(files) >= 7, files  # k8s manifests, prometheus, grafana
+    for path in files:
+        text = path.read_text()
+        docs = [json.loads(text)] if path.suffix == ".json" else list(yaml.safe_load_all(text))
+        assert any(d is not None for d in docs), f"{path} is empty"
+
+
+def test_manifests_cover_the_product():
+    kinds = sorted({doc["kind"] for _, doc in manifests()})
+    for kind in (
+        "Namespace",
+        "Secret",
+        "PersistentVolumeClaim",
+        "RayCluster",
+        "RayJob",
+        "Deployment",
+        "Service",
+    ):
+        assert kind in kinds, f"deploy/k8s has no {kind} (has {kinds})"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_validate_against_kubernetes_schemas(version):
+    checked = 0
+    for path, doc in manifests():
+        errors = validation_errors(doc, version)
+        assert not errors, f"{path.name} {doc['kind']}/{doc['metadata']['name']} (k8s {version}): {errors}"
+        checked += 1
+    assert checked == len(manifests())
+
+
+def test_validators_reject_mistakes():
+    """The validators bite: a typo, a wrong type or a missing field in each kind is an error."""
+    dep = copy.deepcopy(service_deployment())
+    dep["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}  # case typo
+    assert any("livenessprobe" in e for e in k8s_errors(dep, NEWEST_K8S))
+    dep = copy.deepcopy(service_deployment())
+    dep["spec"]["replicas"] = "one"
+    assert k8s_errors(dep, NEWEST_K8S)
+    svc = copy.deepcopy(service_service())
+    svc["spec"]["port"] = 8000  # belongs in spec.ports
+    assert k8s_errors(svc, NEWEST_K8S)
+
+    rc = copy.deepcopy(ray_cluster())
+    rc["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 2  # must be a string
+    assert any("num-cpus" in e for e in kuberay_errors(rc, NEWEST_K8S))
+    rc = copy.deepcopy(ray_cluster())
+    rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    assert any("enviroment" in e for e in kuberay_errors(rc, NEWEST_K8S))
+    rc = copy.deepcopy(ray_cluster())
+    del rc["spec"]["workerGroupSpecs"][0]["maxReplicas"]
+    assert any("maxReplicas" in e for e in kuberay_errors(rc, NEWEST_K8S))
+
+    job = copy.deepcopy(ray_job())
+    job["spec"]["rayClusterSpec"] = copy.deepcopy(ray_cluster()["spec"])  # with clusterSelector too
+    assert kuberay_errors(job, NEWEST_K8S)
+    job = copy.deepcopy(ray_job())
+    del job["spec"]["entrypoint"]
+    assert any("entrypoint" in e for e in kuberay_errors(job, NEWEST_K8S))
+
+
+# --- the manifests agree with each other -----------------------------------------------------
+
+
+def test_everything_lives_in_one_namespace():
+    (ns,) = objects("Namespace")
+    assert ns["metadata"]["name"] == NAMESPACE
+    for _, doc in manifests():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == NAMESPACE, f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_secret_and_volume_references_resolve():
+    secrets = {
+        s["metadata"]["name"]: set(s.get("stringData", {}) | s.get("data", {})) for s in objects("Secret")
+    }
+    claims = {c["metadata"]["name"]: c for c in objects("PersistentVolumeClaim")}
+    refs = 0
+    for _, doc in manifests():
+        for node in walk(doc):
+            if isinstance(node, dict) and "secretKeyRef" in node:
+                ref = node["secretKeyRef"]
+                assert ref["key"] in secrets.get(ref["name"], set()), f"secretKeyRef {ref} has no Secret/key"
+                refs += 1
+            if isinstance(node, dict) and "persistentVolumeClaim" in node:
+                assert node["persistentVolumeClaim"]["claimName"] in claims, node
+    assert refs >= 5
+    for pod in pod_templates():
+        volumes = {v["name"] for v in pod.spec.get("volumes", [])}
+        for container in pod.containers:
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{pod.where}: mount {mount['name']} has no volume"
+
+
+def test_committed_secrets_are_placeholders():
+    """The committed Secret values must be unusable as they are (README step 3 makes real ones)."""
+    for secret in objects("Secret"):
+        for key, value in secret.get("stringData", {}).items():
+            assert value.startswith("REPLACE-ME"), (
+                f"{secret['metadata']['name']}.{key} looks like a real token"
+            )
+
+
+def _is_secret_env(item: dict, secret: tuple[str, str]) -> bool:
+    ref = item.get("valueFrom", {}).get("secretKeyRef", {})
+    return (ref.get("name"), ref.get("key")) == secret and "value" not in item
+
+
+def test_token_auth_on_every_ray_process():
+    """Ray 2.60 token auth: every Ray node, the autoscaler, the job submitter and the control plane
+    run with RAY_AUTH_MODE=token and the cluster token from the Secret, never inline."""
+    containers = [(pod.where, pod.main) for pod in pod_templates()]
+    autoscaler = ray_cluster()["spec"]["autoscalerOptions"]
+    containers.append(("RayCluster autoscaler", autoscaler))
+    assert len(containers) >= 5
+    for where, container in containers:
+        env = env_of(container)
+        assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
+        assert _is_secret_env(env.get("RAY_AUTH_TOKEN", {}), RAY_SECRET), where
+    # No token value is written inline anywhere.
+    for _, doc in manifests():
+        if doc["kind"] == "Secret":
+            continue
+        for node in walk(doc):
+            if isinstance(node, dict) and "TOKEN" in str(node.get("name", "")).upper():
+                assert "value" not in node, f"{doc['kind']}/{doc['metadata']['name']}: inline {node['name']}"
+
+
+def test_one_image_everywhere_tagged_with_the_package_version():
+    version = pyproject()["project"]["version"]
+    images = {c["image"] for pod in pod_templates() for c in pod.containers}
+    assert images == {f"tail-ray:{version}"}, images
+
+
+def test_ray_cluster_version_and_ports():
+    cluster = ray_cluster()
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == arg_defaults(dockerfile("Dockerfile"))["RAY_VERSION"]
+    head = spec["headGroupSpec"]
+    ports = ports_of(head["template"]["spec"]["containers"][0])
+    # KubeRay's head Service exposes the container ports by these names.
+    assert ports["gcs-server"] == 6379
+    assert ports["dashboard"] == 8265
+    assert ports["client"] == 10001
+    for group in [head, *spec["workerGroupSpecs"]]:
+        container = group["template"]["spec"]["containers"][0]
+        assert int(group["rayStartParams"]["metrics-export-port"]) == ports_of(container)["metrics"]
+    assert head["rayStartParams"].get("dashboard-host") == "0.0.0.0"  # reachable from the service pod
+
+
+# --- the job and the elastic range -----------------------------------------------------------
+
+
+def _train_argv() -> list[str]:
+    argv = shlex.split(ray_job()["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "jobs.train"], argv
+    return argv[3:]
+
+
+def test_rayjob_runs_jobs_train_on_the_cluster():
+    from jobs.train import parse_args
+
+    args = parse_args(_train_argv())
+    assert args.config == "jobs/configs/digits-tail.yaml"
+    assert (REPO / args.config).is_file(), "the RayJob's config must ship in the image (jobs/configs)"
+    assert args.address is None  # inside a Ray job, RAY_ADDRESS from the job supervisor is used
+
+    job, cluster = ray_job(), ray_cluster()
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert job["metadata"]["namespace"] == cluster["metadata"]["namespace"]
+    # The entrypoint's relative config path resolves in the directory Ray was started in.
+    workdirs = {pod.main.get("workingDir") for pod in pod_templates() if pod.ray_node}
+    assert workdirs == {"/home/ray/tail-ray"}, workdirs
+    assert [i.args for i in dockerfile("Dockerfile") if i.keyword == "WORKDIR"] == ["/home/ray/tail-ray"]
+
+
+def test_elastic_range_matches_the_worker_group():
+    """minReplicas..maxReplicas of the worker group is exactly the job's min..max workers, as the
+    runner hands them to Ray Train (its ScalingConfig, built from the RayJob's command line)."""
+    from jobs.train import load_config, parse_args
+    from tail_ray.runner.trainer import scaling_config
+
+    args = parse_args(_train_argv())
+    scaling = scaling_config(load_config(str(REPO / args.config), args.overrides))
+    assert isinstance(scaling.num_workers, tuple), "the example job should be elastic"
+    min_workers, max_workers = scaling.num_workers
+    assert min_workers < max_workers
+    per_worker = dict(scaling.resources_per_worker)
+    assert set(per_worker) == {"CPU"}, f"a CPU job on a CPU worker group, got {per_worker}"
+
+    spec = ray_cluster()["spec"]
+    assert spec["enableInTreeAutoscaling"] is True, "Ray Train asks the autoscaler for max_workers"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0", "training must not land on the head"
+    (group,) = spec["workerGroupSpecs"]
+    pod_cpus = float(group["rayStartParams"]["num-cpus"])
+    limit = group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]
+    assert float(limit) == pod_cpus, "Ray's num-cpus must be what the container may really use"
+    workers_per_pod = math.floor(pod_cpus / per_worker["CPU"])
+    assert workers_per_pod >= 1, f"a worker ({per_worker}) does not fit a pod ({pod_cpus} CPUs)"
+    assert group["minReplicas"] * workers_per_pod == min_workers
+    assert group["maxReplicas"] * workers_per_pod == max_workers
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_rayjob_submitter_gets_kuberays_submit_command():
+    """KubeRay fills in `ray job submit ... -- <entrypoint>` only when the submitter container
+    has no command of its own."""
+    (container,) = ray_job()["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    assert "command" not in container and "args" not in container
+    assert ray_job()["spec"]["submitterPodTemplate"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_checkpoints_go_to_storage_every_ray_pod_shares():
+    """Where the job checkpoints (its storage_path, or the runner's default under the home of the
+    image's user) is a ReadWriteMany volume mounted on every Ray pod, so a restarted worker group
+    finds the latest checkpoint wherever it lands. Jobs from the control plane set no
+    storage_path, so the default must be shared too."""
+    from jobs.train import load_config, parse_args
+    from tail_ray.runner.trainer import DEFAULT_STORAGE_PATH
+
+    args = parse_args(_train_argv())
+    cfg = load_config(str(REPO / args.config), args.overrides)
+    default_in_image = str(RAY_IMAGE_HOME / DEFAULT_STORAGE_PATH.relative_to(Path.home()))
+    claims = {c["metadata"]["name"]: c for c in objects("PersistentVolumeClaim")}
+    for storage_path in {cfg.storage_path or default_in_image, default_in_image}:
+        for pod in pod_templates():
+            if not pod.ray_node:
+                continue
+            volumes = {v["name"]: v for v in pod.spec["volumes"]}
+            shared = [
+                m
+                for m in pod.main["volumeMounts"]
+                if "persistentVolumeClaim" in volumes[m["name"]]
+                and "ReadWriteMany"
+                in claims[volumes[m["name"]]["persistentVolumeClaim"]["claimName"]]["spec"]["accessModes"]
+                and storage_path.startswith(m["mountPath"].rstrip("/") + "/")
+            ]
+            assert shared, f"{pod.where}: checkpoints at {storage_path!r} are not on a shared RWX volume"
+
+
+# --- the control plane -----------------------------------------------------------------------
+
+
+def _uvicorn_app(argv: list[str]):
+    """Build the app the container's uvicorn command names (without starting it)."""
+    assert argv[0] == "uvicorn", argv
+    factory = "--factory" in argv
+    (target,) = [a for a in argv[1:] if ":" in a and not a.startswith("-")]
+    module_name, _, attr = target.partition(":")
+    obj = getattr(importlib.import_module(module_name), attr)
+    if not factory:
+        return obj
+    from service.settings import Settings
+
+    return obj(Settings(api_token="t" * 32, db_path=Path("/nonexistent/never-opened.sqlite")))
+
+
+def test_service_deployment_runs_the_app_with_its_settings():
+    dep = service_deployment()
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"]["type"] == "Recreate", "SQLite: never two pods on one database"
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    argv = container["command"] + container.get("args", [])
+    port = int(argv[argv.index("--port") + 1])
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert ports_of(container)["http"] == port
+    # The command names a real app, and the paths the probes and Prometheus use are its routes.
+    app = _uvicorn_app(argv)
+    routes = set(app.openapi()["paths"])
+    assert {"/metrics", "/healthz", "/readyz"} <= routes
+    client = TestClient(app)  # no lifespan: the probes' route must answer without Ray or a database
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["port"] == "http", probe
+        assert client.get(get["path"]).status_code == 200, probe
+
+    env = env_of(container)
+    known = service_env_names()
+    assert known, "service/settings.py defines no TAIL_RAY_* settings"
+    for name in env:
+        if name.startswith("TAIL_RAY_"):
+            assert name in known, f"{name} is not a setting of service/settings.py ({sorted(known)})"
+    assert _is_secret_env(env["TAIL_RAY_API_TOKEN"], API_SECRET)
+
+    # The database sits on the service's own ReadWriteOnce volume.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    db_path = env["TAIL_RAY_DB_PATH"]["value"]
+    (mount,) = [p for p in mounts if db_path.startswith(p.rstrip("/") + "/")]
+    claim_name = volumes[mounts[mount]]["persistentVolumeClaim"]["claimName"]
+    (claim,) = [c for c in objects("PersistentVolumeClaim") if c["metadata"]["name"] == claim_name]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+def test_service_points_at_the_heads_job_server_and_client_port():
+    cluster = ray_cluster()
+    name, ns = cluster["metadata"]["name"], cluster["metadata"]["namespace"]
+    head_ports = ports_of(cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0])
+    env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
+    head_host = f"{name}-head-svc.{ns}.svc.cluster.local"  # KubeRay's head Service name
+
+    ray_address = urlsplit(env["TAIL_RAY_RAY_ADDRESS"]["value"])
+    assert ray_address.scheme == "ray", "a pod outside the Ray cluster connects through Ray Client"
+    assert (ray_address.hostname, ray_address.port) == (head_host, head_ports["client"])
+    dashboard = urlsplit(env["TAIL_RAY_RAY_DASHBOARD_URL"]["value"])
+    assert (dashboard.scheme, dashboard.hostname, dashboard.port) == (
+        "http",
+        head_host,
+        head_ports["dashboard"],
+    )
+
+
+def test_service_object_selects_the_app_pods():
+    dep, svc = service_deployment(), service_service()
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    container_ports = ports_of(dep["spec"]["template"]["spec"]["containers"][0])
+    (port,) = svc["spec"]["ports"]
+    target = port["targetPort"]
+    assert (container_ports[target] if isinstance(target, str) else target) in container_ports.values()
+
+
+def test_jobs_from_the_service_find_their_code_in_the_image():
+    """With TAIL_RAY_JOB_WORKING_DIR empty the service ships no code with a job: its entrypoint's
+    relative config path must resolve in the Ray containers' working directory, from the image."""
+    from service.schemas import BASE_CONFIG
+
+    env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
+    if env.get("TAIL_RAY_JOB_WORKING_DIR", {}).get("value", "unset") not in ("", "none", "None"):
+        return  # the service ships its own checkout as working_dir; nothing to resolve in the image
+    assert not Path(BASE_CONFIG).is_absolute()
+    copied = {i.args.split()[-1].removeprefix("./") for i in dockerfile("Dockerfile") if i.keyword == "COPY"}
+    assert Path(BASE_CONFIG).parts[0] in copied, f"{BASE_CONFIG} is not in a directory the image copies"
+    assert (REPO / BASE_CONFIG).is_file()
+    assert {pod.main.get("workingDir") for pod in pod_templates() if pod.ray_node} == {"/home/ray/tail-ray"}
