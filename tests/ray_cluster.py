@@ -41,6 +41,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def worker_port_base(seed: int) -> int:
+    """Start of a 401-port worker range below the ephemeral range (32768+), where every port
+    ``free_ports`` hands out lies: the two can never overlap (Ray refuses to start if they do)."""
+    return 10100 + (seed % 22000)
+
+
 def auth_env() -> dict[str, str]:
     """The environment every process we start gets: token auth said explicitly (Ray 2.60)."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -70,7 +76,7 @@ class LocalRayCluster:
         # AF_UNIX socket paths must stay short, so a short temp dir right under /tmp.
         self.temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
         self._log_path = os.path.join(self.temp_dir, "ray-start.log")
-        worker_lo = 20000 + (ports[8] % 20000)
+        worker_lo = worker_port_base(ports[8])
         cmd = [
             "ray", "start", "--head", "--block", "--disable-usage-stats",
             f"--num-cpus={self.num_cpus}", "--num-gpus=0",
@@ -173,3 +179,88 @@ def connected_cluster(num_cpus: int = 2, include_dashboard: bool = True):  # typ
             os.environ.pop("RAY_ADDRESS", None)
         else:
             os.environ["RAY_ADDRESS"] = old_address
+
+
+@dataclass
+class LocalRayWorkerNode:
+    """A second Ray node on this machine: `ray start --address=HEAD --block` in a child process
+    with its own CPU count and every port chosen free, stopped by its process handle (or its
+    raylet killed by pid, to make the node vanish the way a lost machine does)."""
+
+    head_address: str
+    num_cpus: int = 1
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _log_path: str = ""
+
+    def start(self) -> LocalRayWorkerNode:
+        ports = free_ports(7)
+        self._log_path = tempfile.mkstemp(prefix="rt-node-", suffix=".log", dir="/tmp")[1]
+        worker_lo = worker_port_base(ports[6])
+        cmd = [
+            "ray", "start", f"--address={self.head_address}", "--block", "--disable-usage-stats",
+            f"--num-cpus={self.num_cpus}", "--num-gpus=0",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={ports[0]}",
+            f"--dashboard-agent-grpc-port={ports[1]}",
+            f"--runtime-env-agent-port={ports[2]}",
+            f"--metrics-export-port={ports[3]}",
+            f"--node-manager-port={ports[4]}",
+            f"--object-manager-port={ports[5]}",
+            f"--min-worker-port={worker_lo}",
+            f"--max-worker-port={worker_lo + 400}",
+            "--object-store-memory=100000000",
+        ]  # fmt: skip
+        log = open(self._log_path, "wb")  # noqa: SIM115 (kept open for the child's lifetime)
+        env = {**auth_env(), "RAY_ADDRESS": self.head_address}
+        self._proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        return self
+
+    def raylet_pid(self) -> int | None:
+        """The pid of this node's raylet: a child of the `ray start` process we started."""
+        if self._proc is None:
+            return None
+        for pid in _descendants(self._proc.pid):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                    return pid
+        return None
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return Path(self._log_path).read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.unlink(self._log_path)
+
+
+def _descendants(root_pid: int) -> list[int]:
+    """Every live descendant of ``root_pid`` (from /proc; no psutil on this machine)."""
+    parent_of: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # comm may hold spaces or parentheses: the ppid is the 2nd field after the last ')'.
+                stat = (entry / "stat").read_text()
+                parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, ppid in parent_of.items() if ppid == parent]
+        out.extend(kids)
+        frontier.extend(kids)
+    return out
