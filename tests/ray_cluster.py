@@ -41,12 +41,6 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def worker_port_base(seed: int) -> int:
-    """Start of a 401-port worker range below the ephemeral range (32768+), where every port
-    ``free_ports`` hands out lies: the two can never overlap (Ray refuses to start if they do)."""
-    return 10100 + (seed % 22000)
-
-
 def auth_env() -> dict[str, str]:
     """The environment every process we start gets: token auth said explicitly (Ray 2.60)."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -60,6 +54,7 @@ class LocalRayCluster:
     dashboard_port: int = 0
     temp_dir: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _node_procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
     _log_path: str = ""
 
     @property
@@ -71,12 +66,12 @@ class LocalRayCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self) -> LocalRayCluster:
-        ports = free_ports(9)
+        ports = free_ports(10)
         self.gcs_port, self.dashboard_port = ports[0], ports[1]
         # AF_UNIX socket paths must stay short, so a short temp dir right under /tmp.
         self.temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
         self._log_path = os.path.join(self.temp_dir, "ray-start.log")
-        worker_lo = worker_port_base(ports[8])
+        worker_lo = _worker_port_base(ports[8])
         cmd = [
             "ray", "start", "--head", "--block", "--disable-usage-stats",
             f"--num-cpus={self.num_cpus}", "--num-gpus=0",
@@ -92,6 +87,7 @@ class LocalRayCluster:
             f"--metrics-export-port={ports[5]}",
             f"--node-manager-port={ports[6]}",
             f"--object-manager-port={ports[7]}",
+            f"--ray-client-server-port={ports[9]}",
             f"--min-worker-port={worker_lo}",
             f"--max-worker-port={worker_lo + 400}",
             "--object-store-memory=200000000",
@@ -106,6 +102,32 @@ class LocalRayCluster:
         )
         self._wait_ready()
         return self
+
+    def add_worker_node(self, num_cpus: int = 1) -> None:
+        """Join one more node (same machine, own ports) to this cluster: what an elastic job
+        sees when a machine joins. Stopped with the head."""
+        ports = free_ports(7)
+        worker_lo = _worker_port_base(ports[6])
+        cmd = [
+            "ray", "start", "--block", "--disable-usage-stats",
+            f"--address={self.address}",
+            f"--num-cpus={num_cpus}", "--num-gpus=0",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={ports[0]}",
+            f"--dashboard-agent-grpc-port={ports[1]}",
+            f"--runtime-env-agent-port={ports[2]}",
+            f"--metrics-export-port={ports[3]}",
+            f"--node-manager-port={ports[4]}",
+            f"--object-manager-port={ports[5]}",
+            f"--min-worker-port={worker_lo}",
+            f"--max-worker-port={worker_lo + 400}",
+            "--object-store-memory=100000000",
+        ]  # fmt: skip
+        log = open(os.path.join(self.temp_dir, f"ray-node-{len(self._node_procs)}.log"), "wb")  # noqa: SIM115
+        env = {**auth_env(), "RAY_ADDRESS": self.address}
+        self._node_procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -136,22 +158,36 @@ class LocalRayCluster:
             return ""
 
     def stop(self) -> None:
-        """Stop every process of this head: SIGTERM to the process group our `ray start`
-        leads (start_new_session: only processes we started are in it), wait, then SIGKILL
+        """Stop every node we started: SIGTERM to the process group each `ray start` leads
+        (start_new_session: only processes we started are in it), a short grace, then SIGKILL
         whatever is left of that group. Ray's own workers (own process groups, children of
-        our raylet) exit when their raylet goes."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=STOP_GRACE_S)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+        our raylets) exit when their raylet goes."""
+        procs = [*self._node_procs, self._proc]
+        self._node_procs, self._proc = [], None
+        for proc in procs:
+            _stop_group(proc)
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM the process group `proc` leads, a short grace, then SIGKILL what is left."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _worker_port_base(seed: int) -> int:
+    """A 400-port range for one node's workers, below Linux's ephemeral range (32768+) that
+    free_ports draws from, so the two never overlap."""
+    return 20000 + (seed % 30) * 410
 
 
 def _port_open(port: int) -> bool:
@@ -179,88 +215,3 @@ def connected_cluster(num_cpus: int = 2, include_dashboard: bool = True):  # typ
             os.environ.pop("RAY_ADDRESS", None)
         else:
             os.environ["RAY_ADDRESS"] = old_address
-
-
-@dataclass
-class LocalRayWorkerNode:
-    """A second Ray node on this machine: `ray start --address=HEAD --block` in a child process
-    with its own CPU count and every port chosen free, stopped by its process handle (or its
-    raylet killed by pid, to make the node vanish the way a lost machine does)."""
-
-    head_address: str
-    num_cpus: int = 1
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _log_path: str = ""
-
-    def start(self) -> LocalRayWorkerNode:
-        ports = free_ports(7)
-        self._log_path = tempfile.mkstemp(prefix="rt-node-", suffix=".log", dir="/tmp")[1]
-        worker_lo = worker_port_base(ports[6])
-        cmd = [
-            "ray", "start", f"--address={self.head_address}", "--block", "--disable-usage-stats",
-            f"--num-cpus={self.num_cpus}", "--num-gpus=0",
-            "--node-ip-address=127.0.0.1",
-            f"--dashboard-agent-listen-port={ports[0]}",
-            f"--dashboard-agent-grpc-port={ports[1]}",
-            f"--runtime-env-agent-port={ports[2]}",
-            f"--metrics-export-port={ports[3]}",
-            f"--node-manager-port={ports[4]}",
-            f"--object-manager-port={ports[5]}",
-            f"--min-worker-port={worker_lo}",
-            f"--max-worker-port={worker_lo + 400}",
-            "--object-store-memory=100000000",
-        ]  # fmt: skip
-        log = open(self._log_path, "wb")  # noqa: SIM115 (kept open for the child's lifetime)
-        env = {**auth_env(), "RAY_ADDRESS": self.head_address}
-        self._proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        return self
-
-    def raylet_pid(self) -> int | None:
-        """The pid of this node's raylet: a child of the `ray start` process we started."""
-        if self._proc is None:
-            return None
-        for pid in _descendants(self._proc.pid):
-            with contextlib.suppress(OSError):
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
-                    return pid
-        return None
-
-    def log_tail(self, n_chars: int = 4000) -> str:
-        try:
-            return Path(self._log_path).read_text(errors="replace")[-n_chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=STOP_GRACE_S)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            os.unlink(self._log_path)
-
-
-def _descendants(root_pid: int) -> list[int]:
-    """Every live descendant of ``root_pid`` (from /proc; no psutil on this machine)."""
-    parent_of: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                # comm may hold spaces or parentheses: the ppid is the 2nd field after the last ')'.
-                stat = (entry / "stat").read_text()
-                parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [], [root_pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [pid for pid, ppid in parent_of.items() if ppid == parent]
-        out.extend(kids)
-        frontier.extend(kids)
-    return out

@@ -37,7 +37,7 @@ from tail_ray.runner.config import JobConfig
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import make_model
 from tail_ray.runner.trainer import JobResult, run_job
-from tests.ray_cluster import LocalRayWorkerNode, connected_cluster
+from tests.ray_cluster import connected_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -129,7 +129,6 @@ def drill(cluster, storage):
         except BaseException as exc:  # surfaced by the tests below
             d.error = exc
 
-    node = LocalRayWorkerNode(cluster.address, num_cpus=1)
     t0 = time.monotonic()
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
@@ -143,7 +142,7 @@ def drill(cluster, storage):
         )
         d.phases_s["ws1_running"] = time.monotonic() - t0
         # 2. A second node joins: the group grows to 2 from a checkpoint.
-        node.start()
+        cluster.add_worker_node(num_cpus=1)  # stopped with the cluster (by its pid)
         recs = wait_records(job_id, lambda rs: any(r["world_size"] == 2 for r in rs), "world size 2", worker)
         d.phases_s["ws2_running"] = time.monotonic() - t0
         d.first_ws2_step = min(r["step"] for r in recs if r["world_size"] == 2)
@@ -171,7 +170,6 @@ def drill(cluster, storage):
               f"summary {d.result.summary if d.result else d.error}")  # fmt: skip
         yield d
     finally:
-        node.stop()
         close_sink(job_id)
 
 
