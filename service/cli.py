@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class CliError(Exception):
 class Api:
     url: str
     token: str | None
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)  # what `up` started
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -207,6 +208,7 @@ def running_stack(args: argparse.Namespace) -> Iterator[Api]:
         api = Api(f"http://127.0.0.1:{port}", token)
         _wait_ready(api, service)
         STATE_FILE.touch(mode=0o600)
+        STATE_FILE.chmod(0o600)  # it holds the API token; touch() keeps an older file's mode
         STATE_FILE.write_text(json.dumps({"url": api.url, "token": token}))
         print(
             f"tail-ray is up\n  dashboard    {api.url}/\n  API docs     {api.url}/docs\n"
@@ -216,6 +218,7 @@ def running_stack(args: argparse.Namespace) -> Iterator[Api]:
             + f"\n  (url and token saved to {STATE_FILE} for the other tail-ray commands)",
             flush=True,
         )
+        api.children = [p for p in (service, head.process if head else None) if p is not None]
         yield api
     finally:
         if service is not None and service.poll() is None:
@@ -244,11 +247,15 @@ def _wait_ready(api: Api, service: subprocess.Popen[bytes], timeout_s: float = 6
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    with running_stack(args):
+    with running_stack(args) as api:
         print("Ctrl-C to stop", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            while True:
+            while all(child.poll() is None for child in api.children):
                 time.sleep(1)
+            dead = [c for c in api.children if c.poll() is not None]
+            raise CliError(
+                f"pid {dead[0].pid} exited with code {dead[0].returncode}; stopping the rest (logs in {HOME})"
+            )
     print("stopped")
     return 0
 

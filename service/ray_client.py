@@ -209,8 +209,9 @@ class RayGateway:
         with self._lock:
             if ray.is_initialized():
                 return
-            # Ray reads its token from the environment or ~/.ray/auth_token; say token auth.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            # Ray takes RAY_AUTH_MODE from the environment when it is first imported, so the
+            # service must be started with RAY_AUTH_MODE=token (`tail-ray up` does). The token
+            # comes from RAY_AUTH_TOKEN or ~/.ray/auth_token; an explicit setting wins.
             if self.settings.ray_auth_token is not None:
                 os.environ["RAY_AUTH_TOKEN"] = self.settings.ray_auth_token.get_secret_value()
             try:

@@ -62,7 +62,7 @@ MIGRATIONS: tuple[str, ...] = (
         code          TEXT NOT NULL,
         PRIMARY KEY (job_id, seq)
     ) WITHOUT ROWID;
-    CREATE INDEX layer_metrics_by_layer ON layer_metrics (job_id, layer, step);
+    CREATE INDEX layer_metrics_by_layer ON layer_metrics (job_id, layer, step, rank, seq);
 
     CREATE TABLE step_metrics (
         job_id         TEXT NOT NULL,
@@ -82,7 +82,7 @@ MIGRATIONS: tuple[str, ...] = (
         wall_time_s    REAL,
         PRIMARY KEY (job_id, seq)
     ) WITHOUT ROWID;
-    CREATE INDEX step_metrics_by_step ON step_metrics (job_id, step, rank);
+    CREATE INDEX step_metrics_by_step ON step_metrics (job_id, step, rank, seq);
 
     CREATE TABLE ingest_cursors (
         job_id             TEXT PRIMARY KEY,
@@ -434,6 +434,16 @@ class Storage:
         """
         upper = before_step if before_step is not None else 2**62
         with self._connect() as conn:
+            # Bound the window to the first `limit` steps first (an index range scan), so a
+            # page costs O(limit) rather than O(steps after after_step).
+            last = conn.execute(
+                "SELECT step FROM (SELECT DISTINCT step FROM step_metrics WHERE job_id = ? AND step > ?"
+                " AND step < ? ORDER BY step LIMIT ?) ORDER BY step DESC LIMIT 1",
+                (job_id, after_step, upper, limit),
+            ).fetchone()
+            if last is None:
+                return []
+            upper = min(upper, int(last[0]) + 1)
             rows = conn.execute(sql, (job_id, after_step, upper, limit)).fetchall()
         out = []
         for r in rows:

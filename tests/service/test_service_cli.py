@@ -31,8 +31,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_up_serves_the_api_and_ctrl_c_stops_what_it_started(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+@pytest.mark.parametrize("ending", ["ctrl-c", "service-dies"])
+def test_up_serves_the_api_and_stops_what_it_started(
+    ending: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     env = dict(os.environ, TAIL_RAY_HOME=str(tmp_path / "home"), RAY_AUTH_MODE="token")
     env.pop("TAIL_RAY_API_TOKEN", None)
@@ -91,8 +92,13 @@ def test_up_serves_the_api_and_ctrl_c_stops_what_it_started(
         assert cli.main(["--url", url, "--token", "wrong-token-0000000000", "stop", "x"]) == cli.EXIT_API
         assert "HTTP 403" in capsys.readouterr().err
 
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal delivers
-        assert proc.wait(timeout=60) == 0
+        if ending == "ctrl-c":
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal delivers
+            assert proc.wait(timeout=60) == 0
+        else:  # the service crashes: `up` must notice, stop the Ray head too, and fail
+            os.kill(pids[0], signal.SIGKILL)
+            assert proc.wait(timeout=60) == cli.EXIT_API
+            assert f"pid {pids[0]} exited" in proc.stdout.read()
         for pid in pids:
             wait_for(lambda pid=pid: not _alive(pid), 30, f"pid {pid} to exit")
         with pytest.raises(httpx.HTTPError):
