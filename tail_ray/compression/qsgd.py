@@ -41,7 +41,7 @@ class QSGDCompressor:
         self,
         bits: int = 4,
         bucket_size: int = 512,
-        raw_below_numel: int = 1024,
+        raw_below_numel: int = 4096,
         error_feedback: bool = False,
         seed: int | None = None,
     ) -> None:
@@ -103,7 +103,7 @@ class QSGDCompressor:
                     rng=self._rng,
                 )[0]
             )
-            nnz = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
+            nnz, _ = quantize_finite(g, residual, self.bits, self.bucket_size, seed, levels, scales)
             records.append(
                 LayerRecord(
                     name=name,

@@ -96,9 +96,10 @@ def _round_chunk(xb, lb, ub, rot, inv, step, lf, write_e):  # type: ignore[no-un
 
     xb becomes the residual x - level * step when write_e. Returns the non-zero level count
     (accumulated in float32, exact for chunks below 2^24, because an integer select-count
-    stops LLVM from vectorizing this loop).
+    stops LLVM from vectorizing this loop) and the squared rounding error of the chunk.
     """
     cnt = np.float32(0.0)
+    err = np.float32(0.0)
     for i in range(xb.size):
         x = xb[i]
         u = np.float32(ub[i]) * np.float32(_U16) + rot
@@ -109,18 +110,21 @@ def _round_chunk(xb, lb, ub, rot, inv, step, lf, write_e):  # type: ignore[no-un
         cnt += min(q, np.float32(1.0))
         lv = q if x >= 0 else -q
         lb[i] = np.int8(np.int32(lv))
+        r = x - lv * step
+        err += r * r
         if write_e:
-            xb[i] = x - lv * step
-    return np.int64(cnt)
+            xb[i] = r
+    return np.int64(cnt), np.float64(err)
 
 
 @njit(cache=True, nogil=True)
 def _round_bucket(xb, lb, tab, h, inv, step, lf, write_e):  # type: ignore[no-untyped-def]
     """Round one bucket chunk by chunk; each chunk reads the table at a fresh random offset.
 
-    ``h`` is the running splitmix64 state; returns (nnz, new state).
+    ``h`` is the running splitmix64 state; returns (nnz, squared rounding error, new state).
     """
     cnt = 0
+    err = 0.0
     for lo in range(0, xb.size, _CHUNK):
         hi = min(xb.size, lo + _CHUNK)
         h = h + np.uint64(0x9E3779B97F4A7C15)
@@ -130,13 +134,17 @@ def _round_bucket(xb, lb, tab, h, inv, step, lf, write_e):  # type: ignore[no-un
         # [0, 1) from the hash's top 24 bits (Cranley-Patterson): for any table entry t, u is
         # then uniform on [0, 1), so the rounding is unbiased whatever the table or offset.
         rot = np.float32(np.int64(z >> np.uint64(40))) * np.float32(1.0 / (1 << 24))
-        cnt += _round_chunk(xb[lo:hi], lb[lo:hi], tab[off : off + (hi - lo)], rot, inv, step, lf, write_e)
-    return cnt, h
+        c, e2 = _round_chunk(xb[lo:hi], lb[lo:hi], tab[off : off + (hi - lo)], rot, inv, step, lf, write_e)
+        cnt += c
+        err += e2
+    return cnt, err, h
 
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """e <- g + e, quantized bucket by bucket; e ends as the new residual. Returns nnz.
+    """e <- g + e, quantized bucket by bucket; e ends as the new residual.
+
+    Returns (nnz, ||new residual||^2).
 
     The caller guarantees g is finite (fastmath assumes it).
     """
@@ -145,6 +153,7 @@ def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # ty
     lf = np.float32(lmax)
     h = np.uint64(seed)
     nnz = 0
+    err = 0.0
     box = np.empty(1, np.int32)  # reinterprets the integer max as the float scale
     fbox = box.view(np.float32)
     for k in range(nb):
@@ -161,19 +170,21 @@ def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # ty
         if m == 0:
             lb[:] = 0
             continue
-        cnt, h = _round_bucket(eb, lb, tab, h, lf / m, m / lf, lf, True)
+        cnt, e2, h = _round_bucket(eb, lb, tab, h, lf / m, m / lf, lf, True)
         nnz += cnt
-    return nnz
+        err += e2
+    return nnz, err
 
 
 @njit(cache=True, nogil=True, fastmath=True)
 def _quantize_core(x, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """Quantize x (left unchanged) into levels and scales. Returns nnz."""
+    """Quantize x (left unchanged) into levels and scales. Returns (nnz, squared error)."""
     n = x.size
     nb = (n + bucket_size - 1) // bucket_size
     lf = np.float32(lmax)
     h = np.uint64(seed)
     nnz = 0
+    err = 0.0
     box = np.empty(1, np.int32)
     fbox = box.view(np.float32)
     for k in range(nb):
@@ -187,9 +198,10 @@ def _quantize_core(x, bucket_size, lmax, seed, levels, scales, tab):  # type: ig
         if m == 0:
             lb[:] = 0
             continue
-        cnt, h = _round_bucket(xb, lb, tab, h, lf / m, m / lf, lf, False)
+        cnt, e2, h = _round_bucket(xb, lb, tab, h, lf / m, m / lf, lf, False)
         nnz += cnt
-    return nnz
+        err += e2
+    return nnz, err
 
 
 def quantize_finite(
@@ -200,16 +212,19 @@ def quantize_finite(
     seed: int,
     levels: np.ndarray,
     scales: np.ndarray,
-) -> int:
+) -> tuple[int, float]:
     """The kernel without the finiteness check, for callers that already ran ``sum_squares(g)``.
 
     Quantizes g (+ residual, which then becomes the new residual) into ``levels``/``scales``
-    and returns the non-zero level count. g MUST be finite: the kernel assumes it.
+    and returns (non-zero level count, squared rounding error = ||new residual||^2 with error
+    feedback). g MUST be finite: the kernel assumes it.
     """
     lmax = levels_max(bits)
     if residual is None:
-        return int(_quantize_core(g, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE))
-    return int(_quantize_ef_core(g, residual, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE))
+        nnz, err = _quantize_core(g, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
+    else:
+        nnz, err = _quantize_ef_core(g, residual, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
+    return int(nnz), float(err)
 
 
 def quantize(
@@ -218,7 +233,7 @@ def quantize(
     """Stochastically quantize ``x`` (no error feedback); fill ``levels``/``scales``; return nnz."""
     if not math.isfinite(float(sum_squares(x))):
         raise ValueError("quantize() needs finite input; send non-finite layers raw")
-    return int(_quantize_core(x, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE))
+    return int(_quantize_core(x, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE)[0])
 
 
 def quantize_ef(
@@ -238,7 +253,9 @@ def quantize_ef(
     ss = float(sum_squares(g))
     if not math.isfinite(ss):
         return -1, ss
-    nnz = _quantize_ef_core(g, residual, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE)
+    nnz, _ = _quantize_ef_core(
+        g, residual, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE
+    )
     return int(nnz), ss
 
 

@@ -59,8 +59,9 @@ class TailConfig:
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
     raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
-        header). 1024, not a few thousand: a classifier head of ~1K elements sent raw is a
-        quarter of a 15x payload (digits_cnn's fc2.weight).
+        header). 4096 is the project-wide contract; 1024 would also quantize ~1K-element
+        classifier heads (digits_cnn's fc2.weight, a quarter of its payload at 4096: ratio
+        ~12.5x -> ~16x in a 300-step 2-worker digits run).
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
@@ -76,7 +77,7 @@ class TailConfig:
 
     candidate_bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
     bucket_size: int = 512
-    raw_below_numel: int = 1024
+    raw_below_numel: int = 4096
     sample_numel: int | None = 4096
     redecide_every_steps: int = 20
     norm_drift: float = 1.0
@@ -166,6 +167,7 @@ class TailCompressor:
         self._last: list[LayerStats] = []
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
+        self._residual_sq: dict[str, float] = {}  # ||e||^2 of each layer's current residual
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -209,9 +211,10 @@ class TailCompressor:
                 nnzs.append(None)
                 continue
             residual = self.feedback.buffer(name, g.size) if cfg.error_feedback else None
-            # The residual carried in (one read of e, in cache): for the runaway guard and for
-            # observe_peers' account of what compression put into the decoded gradients.
-            e_sq = float(sum_squares(residual)) if residual is not None else 0.0
+            # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
+            # the runaway guard and for observe_peers' account of what compression put into
+            # the decoded gradients.
+            e_sq = self._residual_sq.get(name, 0.0) if residual is not None else 0.0
             # Error feedback is only stable while nu < 1; a residual this far above the larger
             # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
             # estimate was wrong for this layer: decide again now, on g + e.
@@ -225,7 +228,9 @@ class TailCompressor:
             # Compression's part of this worker's decoded gradient: the residual carried in plus
             # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
             self._compression_sq[name] = (e_sq + plan.rel_error * (sumsq + e_sq)) / g.size
-            nnz = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
+            nnz, err_sq = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
+            if residual is not None:
+                self._residual_sq[name] = err_sq
             records.append(
                 LayerRecord(
                     name=name,
@@ -320,8 +325,12 @@ class TailCompressor:
                     for k, v in state["residuals"].items()
                 }
             )
+            self._residual_sq = {
+                name: float(sum_squares(e)) for name, e in self.feedback.state_dict().items()
+            }
         else:
             self.feedback.reset()
+            self._residual_sq = {}
 
 
 @register_compressor("tail")

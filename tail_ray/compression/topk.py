@@ -27,7 +27,7 @@ class TopKCompressor:
     name = "topk"
 
     def __init__(
-        self, density: float = 0.01, raw_below_numel: int = 1024, error_feedback: bool = True
+        self, density: float = 0.01, raw_below_numel: int = 4096, error_feedback: bool = True
     ) -> None:
         if not (isinstance(density, int | float) and 0 < density <= 1):
             raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
