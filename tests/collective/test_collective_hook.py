@@ -1,7 +1,8 @@
 """The comm hook against plain DDP, world size 2 on gloo, in spawned processes.
 
-Each test spawns its own 2-process group (about 3 s); the workers write what they saw to
-files in tmp_path and the assertions run here, in the parent.
+Spawning a process pair costs seconds (each imports torch), so ONE pair, started by the
+module fixture ``scenarios``, runs every scenario in turn; each scenario writes what both
+ranks saw into its own folder and the tests assert on those files here, in the parent.
 """
 
 import pickle
@@ -56,8 +57,8 @@ def _transport_worker(rank, world_size, out_dir):
     torch.save({"got": got, "traffic": traffic}, out_dir / f"rank{rank}.pt")
 
 
-def test_payloads_of_different_sizes_are_gathered_exactly(tmp_path):
-    run_local_group(_transport_worker, 2, (tmp_path,), timeout_s=TIMEOUT_S)
+def test_payloads_of_different_sizes_are_gathered_exactly(scenarios):
+    tmp_path = scenarios / "transport"
     expected = [bytes((r * 31 + i) % 256 for i in range(r * 5000)) for r in range(2)]
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
@@ -92,8 +93,8 @@ def _none_vs_ddp_worker(rank, world_size, out_dir, method, use_allgather):
 
 
 @pytest.mark.parametrize("use_allgather", [False, True], ids=["allreduce", "allgather"])
-def test_none_gives_the_gradients_of_plain_ddp(tmp_path, use_allgather):
-    run_local_group(_none_vs_ddp_worker, 2, (tmp_path, "none", use_allgather), timeout_s=TIMEOUT_S)
+def test_none_gives_the_gradients_of_plain_ddp(scenarios, use_allgather):
+    tmp_path = scenarios / ("none_allgather" if use_allgather else "none_allreduce")
     model = _model()
     names = [n for n, _ in model.named_parameters()]
     raw_bytes = 4 * sum(p.numel() for p in model.parameters())
@@ -166,9 +167,10 @@ def _many_buckets_worker(rank, world_size, out_dir):
     torch.save(out, out_dir / f"rank{rank}.pt")
 
 
-def test_many_buckets_every_method_no_hang_no_mismatch_ranks_in_sync(tmp_path):
-    # A collective mismatch raises on gloo, a hang hits the group's timeout: both fail here.
-    run_local_group(_many_buckets_worker, 2, (tmp_path,), timeout_s=2 * TIMEOUT_S)
+def test_many_buckets_every_method_no_hang_no_mismatch_ranks_in_sync(scenarios):
+    # A collective mismatch raises on gloo, a hang hits the group's timeout: either fails the
+    # scenarios fixture, and so this test.
+    tmp_path = scenarios / "many_buckets"
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert list(r0) == [m for m, _ in MANY_BUCKET_METHODS]
     for method, res in r0.items():
@@ -190,7 +192,7 @@ def _tail8_worker(rank, world_size, out_dir):
     local = _model()
     plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
     hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
-    state = register_tail_hook(hooked, "tail", {"candidate_bits": (8,)})
+    state = register_tail_hook(hooked, "tail", {"candidate_bits": (8,), "raw_below_numel": 4096})
     steps = []
     for step in range(4):  # no optimizer step: same weights, residuals carry over steps
         x, y = _batch(rank, step)
@@ -208,11 +210,11 @@ def _tail8_worker(rank, world_size, out_dir):
     torch.save(steps, out_dir / f"rank{rank}.pt")
 
 
-def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(tmp_path):
-    run_local_group(_tail8_worker, 2, (tmp_path,), timeout_s=TIMEOUT_S)
+def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(scenarios):
+    tmp_path = scenarios / "tail8"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     levels = 2 ** (8 - 1) - 1
-    # TailConfig's raw_below_numel (4096): smaller layers go raw fp32, exactly averaged.
+    # raw_below_numel=4096 in the worker: smaller layers go raw fp32, exactly averaged.
     quantized = {n for n, g in ranks[0][0]["local"].items() if g.numel() >= 4096}
     assert quantized == {"0.weight", "2.weight", "4.weight"}
     for step in range(4):
@@ -241,7 +243,7 @@ def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(tmp
 
 
 def _pickle_worker(rank, world_size, out_dir):
-    for method, config in (("powersgd", {"rank": 1}), ("tail", None)):
+    for method, config in (("powersgd", {"rank": 1}), ("tail", {"raw_below_numel": 4096})):
         ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
         state = register_tail_hook(ddp, method, config)
         for step in range(4):
@@ -252,8 +254,8 @@ def _pickle_worker(rank, world_size, out_dir):
         torch.save(state.state_dict(), out_dir / f"{method}{rank}.pt")
 
 
-def test_state_pickles_without_process_group_and_restores_by_name(tmp_path):
-    run_local_group(_pickle_worker, 2, (tmp_path,), timeout_s=TIMEOUT_S)
+def test_state_pickles_without_process_group_and_restores_by_name(scenarios):
+    tmp_path = scenarios / "pickle"
     # Unpickled in this process, which has no process group at all.
     assert not dist.is_initialized()
     psgd = pickle.loads((tmp_path / "powersgd0.pkl").read_bytes())
@@ -269,9 +271,9 @@ def test_state_pickles_without_process_group_and_restores_by_name(tmp_path):
     assert tail.process_group is None
     saved = torch.load(tmp_path / "tail0.pt", weights_only=False)
     residuals = saved["compressor"]["residuals"]
-    # Keyed by parameter name (the layers Tail quantizes: >= 4096 elements), not bucket index.
+    # Keyed by parameter name (the layers Tail quantizes: >= raw_below_numel), not bucket index.
     assert set(residuals) == {"0.weight", "2.weight", "4.weight"}
-    restored = make_hook_state(_model(), "tail")  # a new model object, new parameter ids
+    restored = make_hook_state(_model(), "tail", {"raw_below_numel": 4096})  # new model object, new ids
     restored.load_state_dict(saved)
     again = restored.state_dict()["compressor"]
     for name, residual in residuals.items():
@@ -283,7 +285,7 @@ def test_state_pickles_without_process_group_and_restores_by_name(tmp_path):
         == dict.fromkeys(saved["compressor"]["layer_steps"], 4)
     )
     # A resized job drops the per-worker residuals but keeps the controller.
-    resized = make_hook_state(_model(), "tail")
+    resized = make_hook_state(_model(), "tail", {"raw_below_numel": 4096})
     resized.load_state_dict(saved, residuals=False)
     assert not resized.state_dict()["compressor"]["residuals"]
     assert resized.state_dict()["compressor"]["controller"] == saved["compressor"]["controller"]
@@ -309,3 +311,29 @@ def test_state_dict_is_keyed_by_parameter_name():
     for name in weights:
         assert torch.equal(restored.local_powersgd_error[name], state.local_powersgd_error[name])
     assert restored.local_step == 4
+
+
+# -- one process pair for every scenario above ---------------------------------------------------
+
+SCENARIOS = {
+    "transport": (_transport_worker, ()),
+    "none_allreduce": (_none_vs_ddp_worker, ("none", False)),
+    "none_allgather": (_none_vs_ddp_worker, ("none", True)),
+    "many_buckets": (_many_buckets_worker, ()),
+    "tail8": (_tail8_worker, ()),
+    "pickle": (_pickle_worker, ()),
+}
+
+
+def _all_scenarios(rank, world_size, out_dir):
+    for name, (worker, args) in SCENARIOS.items():
+        folder = out_dir / name
+        folder.mkdir(exist_ok=True)
+        worker(rank, world_size, folder, *args)
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("scenarios")
+    run_local_group(_all_scenarios, 2, (out_dir,), timeout_s=4 * TIMEOUT_S)
+    return out_dir
