@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             env["TAIL_RAY_INGEST_ENABLED"] = "false"
             env["TAIL_RAY_RAY_DASHBOARD_URL"] = f"http://127.0.0.1:{free_port()}"
-            ctx = mp.get_context("spawn")
+            ctx = mp.get_context("fork")  # no threads yet; the child reuses our imports
             start_writer, result_q = ctx.Event(), ctx.Queue()
             writer = ctx.Process(
                 target=_direct_writer, args=(str(db_path), args.records, start_writer, result_q)
