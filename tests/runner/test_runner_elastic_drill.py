@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 METHOD = "tail"
-STEPS = 100
+STEPS = 120
 CHECKPOINT_EVERY = 5
 STEP_DELAY_S = 0.3
 RESIZE_INTERVAL_S = 3
@@ -147,12 +147,14 @@ def drill(cluster, storage):
         d.phases_s["ws2_running"] = time.monotonic() - t0
         d.first_ws2_step = min(r["step"] for r in recs if r["world_size"] == 2)
         # 3. Past a world-size-2 checkpoint, SIGKILL one Ray Train worker process by its pid.
+        past = d.first_ws2_step + CHECKPOINT_EVERY + 1
         wait_records(
             job_id,
-            lambda rs: (
-                max(r["step"] for r in rs if r["world_size"] == 2) >= d.first_ws2_step + CHECKPOINT_EVERY + 1
+            lambda rs: all(
+                any(r["step"] >= past and r["world_size"] == 2 and r["rank"] == rank for r in rs)
+                for rank in (0, 1)
             ),
-            "a world-size-2 checkpoint",
+            "both ranks past a world-size-2 checkpoint",
             worker,
         )
         pids = train_worker_pids()
@@ -203,9 +205,11 @@ def test_killed_worker_restarts_from_the_last_checkpoint_and_finishes(drill):
     assert r is not None and r.ok, r.error if r else drill.error
     assert r.summary["step"] == STEPS
     resumed = r.summary["resumed_from_step"]
-    # The final group started from a checkpoint at or before the kill, after the grow.
+    # The final group started from a checkpoint at or before the kill, not before the grow
+    # (the newest checkpoint Ray Train had registered when the worker died: the one both
+    # ranks passed, or the grow's own if that one was still being registered).
     assert resumed % CHECKPOINT_EVERY == 0
-    assert drill.first_ws2_step < resumed <= drill.last_step_before_kill + 1
+    assert drill.first_ws2_step <= resumed <= drill.last_step_before_kill
     # Steps between that checkpoint and the kill ran again (a replay, told apart by seq).
     by_seq = sorted(drill.records, key=lambda rec: rec["seq"])
     rank0 = [rec["step"] for rec in by_seq if rec["rank"] == 0]
