@@ -24,7 +24,7 @@ import httpx
 import pytest
 import ray
 from fastapi.testclient import TestClient
-from service_support import AUTH, make_settings, step_records, wait_for
+from service_support import make_settings, step_records, wait_for
 
 from service.main import create_app
 from service.ray_head import HeadPorts, LocalRayHead, free_port, read_token_file
