@@ -197,12 +197,13 @@ def run(
     quick: bool,
     timeout_s: float,
     tail_variants: list[dict[str, Any]] | None = None,
+    steps: int | None = None,
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
     rows += [(f"tail*{i + 1}", "tail", variant) for i, variant in enumerate(tail_variants or [])]
     plan = [
-        (t, label, method, config, TASKS[t].quick_steps if quick else TASKS[t].steps)
+        (t, label, method, config, steps or (TASKS[t].quick_steps if quick else TASKS[t].steps))
         for t in tasks
         for label, method, config in rows
     ]
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(label for label, _, _ in METHODS),
         help="comma list of labels or methods",
     )
+    parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(
         "--tail-variant",
@@ -303,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         bad = [m for m in methods if m not in known]
         parser.error(f"unknown method(s) {bad}; choose from {sorted(known)}")
     started = time.perf_counter()
-    results = run(tasks, methods, args.quick, args.timeout_s, variants)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    results = run(tasks, methods, args.quick, args.timeout_s, variants, args.steps)
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)
