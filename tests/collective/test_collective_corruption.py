@@ -20,6 +20,25 @@ COLLECTIVE_TIMEOUT_S = 60
 CORRUPT_FROM_STEP = 1
 
 
+IN_FEATURES = 128  # the first layer (8192 weights) is coded, not sent raw
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_FEATURES, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_numba_cache() -> None:
+    """Compile the Tail kernels here once (they cache to disk) so the two spawned ranks load
+    them instead of both compiling at once on a cold CI machine."""
+    from tail_ray.compression import make_compressor
+
+    grads = {n: torch.randn_like(p) for n, p in _model().named_parameters()}
+    compressor = make_compressor("tail")
+    for _ in range(2):
+        compressor.decompress(compressor.compress(grads))
+
+
 class CorruptingCompressor:
     """Wraps a compressor; once ``armed``, damages what ``compress`` returns."""
 
@@ -46,7 +65,7 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = _model()
     ddp = nn.parallel.DistributedDataParallel(model)
     state = register_tail_hook(ddp, "tail", None)
     wrapper = CorruptingCompressor(state.compressor, mode) if rank == 1 else None
@@ -58,7 +77,7 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
         if wrapper is not None:
             wrapper.armed = step >= CORRUPT_FROM_STEP
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        x, y = torch.randn(8, IN_FEATURES, generator=gen), torch.randint(0, 10, (8,), generator=gen)
         t0 = time.perf_counter()
         try:
             opt.zero_grad()
