@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import operator
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -300,9 +299,9 @@ class Storage:
             try:
                 kind = rec["type"]
                 if kind == "layer":
-                    layer_rows.append((job_id, int(rec["seq"]), *_LAYER_ROW(rec)))
+                    layer_rows.append((job_id, int(rec["seq"]), *_coerce(rec, LAYER_FIELDS)))
                 elif kind == "step":
-                    step_rows.append((job_id, int(rec["seq"]), *_STEP_ROW(rec)))
+                    step_rows.append((job_id, int(rec["seq"]), *_coerce(rec, STEP_FIELDS)))
                 else:
                     skipped += 1
             except (KeyError, TypeError, ValueError):
@@ -523,34 +522,6 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
             real = float(value)
             out.append(real if math.isfinite(real) else None)
     return out
-
-
-class _RowMaker:
-    """``_coerce`` with a fast path for the common case, which is most of the ingest cost:
-    every value already has its column's exact type (int / str / float), the ints fit SQLite
-    and the floats are finite. That is checked with C-level itemgetter/map calls per record
-    instead of a Python loop per field; anything else takes the field-by-field ``_coerce``."""
-
-    def __init__(self, fields: tuple[str, ...]) -> None:
-        self.fields = fields
-        self.values = operator.itemgetter(*fields)
-        self.types = tuple(int if f in _INT_FIELDS else str if f in _STR_FIELDS else float for f in fields)
-        self.ints = operator.itemgetter(*(f for f in fields if f in _INT_FIELDS))
-        self.floats = operator.itemgetter(*(f for f in fields if f not in _INT_FIELDS | _STR_FIELDS))
-
-    def __call__(self, rec: dict[str, Any]) -> tuple[Any, ...] | list[Any]:
-        values = self.values(rec)
-        if tuple(map(type, values)) == self.types:
-            ints = self.ints(rec)
-            # A sum of finite floats can only overflow to inf, never hide a NaN or inf: an
-            # inf/NaN sum sends the record down the careful path, which sorts it out.
-            if min(ints) >= -(2**63) and max(ints) < 2**63 and math.isfinite(sum(self.floats(rec))):
-                return values
-        return _coerce(rec, self.fields)
-
-
-_LAYER_ROW = _RowMaker(LAYER_FIELDS)
-_STEP_ROW = _RowMaker(STEP_FIELDS)
 
 
 def _job_row(row: sqlite3.Row) -> JobRow:
