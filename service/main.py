@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service.errors import install_error_handlers
 from service.ingester import Ingester
+from service.limits import BodySizeLimit
 from service.ray_client import RayGateway
 from service.routers import health, jobs, metrics
 from service.settings import Settings
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.include_router(jobs.router)
     app.include_router(metrics.router)
     app.include_router(metrics.prometheus_router)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import shlex
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,27 @@ class RayGateway:
         with self._lock:
             self._client = None
 
+    def _drop_driver(self) -> None:
+        """Leave the Ray cluster (the next ``connect`` joins again). Called when the cluster
+        stops answering: a Ray driver whose GCS stays unreachable for 60 s (Ray's
+        ``gcs_rpc_server_reconnect_timeout_s``) exits the whole process, and a head restarted
+        on the same address is a new cluster the old driver cannot rejoin. Leaving early keeps
+        the service up through an outage and lets it reconnect by itself afterwards."""
+        if not ray.is_initialized():
+            return
+        with self._lock:
+            if not ray.is_initialized() or _gcs_answers(ray.get_runtime_context().gcs_address):
+                return  # only the job server is down: the driver is fine where it is
+            logger.warning("Ray's GCS is unreachable: leaving the cluster; will rejoin when it answers")
+            try:
+                ray.shutdown()
+            except Exception as exc:
+                logger.warning("leaving the Ray cluster failed: %s", self.redact(str(exc)))
+
+    def _cluster_gone(self) -> None:
+        self._drop_client()
+        self._drop_driver()
+
     # ------------------------------------------------------------ jobs API
     def submit(self, submission_id: str, entrypoint: str) -> None:
         runtime_env: dict[str, Any] = {"env_vars": {"RAY_AUTH_MODE": "token"}}
@@ -121,9 +143,10 @@ class RayGateway:
         try:
             details = self._jobs().list_jobs()
         except RayUnavailable:
+            self._drop_driver()
             raise
         except Exception as exc:
-            self._drop_client()
+            self._cluster_gone()
             raise self._unavailable("cannot list Ray jobs", exc) from None
         out = []
         for d in details:
@@ -172,9 +195,10 @@ class RayGateway:
         try:
             self._jobs().list_jobs()
         except RayUnavailable:
+            self._drop_driver()
             raise
         except Exception as exc:
-            self._drop_client()
+            self._cluster_gone()
             raise self._unavailable("Ray job server did not answer", exc) from None
 
     # ------------------------------------------------------------ sinks (Ray core)
@@ -222,6 +246,16 @@ class RayGateway:
             sink_mod.close_sink(job_id)
         except Exception as exc:
             logger.warning("could not close the sink of job %s: %s", job_id, self.redact(str(exc)))
+
+
+def _gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """True when something accepts a TCP connection at the GCS ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _ray_job(d: Any) -> RayJob:

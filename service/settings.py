@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     close_drained_sinks: bool = True
     ray_timeout_s: float = Field(10.0, gt=0, le=120)
 
+    # --- requests ---
+    max_body_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024, description="Larger bodies get 413.")
+
     # --- reads ---
     sse_interval_s: float = Field(1.0, gt=0, le=60)
     logs_max_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)

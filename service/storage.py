@@ -396,8 +396,11 @@ class Storage:
             SELECT layer, MAX(step) AS step FROM layer_metrics WHERE job_id = ? GROUP BY layer
         ), per_rank AS (
             SELECT m.*, ROW_NUMBER() OVER (PARTITION BY m.layer, m.rank ORDER BY m.seq DESC) AS rn
-            FROM layer_metrics m JOIN newest n ON m.layer = n.layer AND m.step = n.step
-            WHERE m.job_id = ?
+            -- newest drives the join and m is found through (job_id, layer, step): left to
+            -- itself the planner scanned every record of the job (0.86 s at 200k records,
+            -- 0.07 s this way).
+            FROM newest n CROSS JOIN layer_metrics m INDEXED BY layer_metrics_by_layer
+                ON m.job_id = ? AND m.layer = n.layer AND m.step = n.step
         )
         SELECT layer, step, COUNT(*) AS ranks, MAX(numel) AS numel, AVG(bits) AS bits,
                AVG(density) AS density, SUM(raw_bytes) AS raw_bytes, SUM(encoded_bytes) AS encoded_bytes,

@@ -137,10 +137,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # Fault injection for recovery tests (never set by the CLI or a config): the last rank of a
     # run that did not start from a checkpoint dies before this step.
     fail_at_step = loop_config.get("inject_failure_at_step")
+    step_delay_s = float(loop_config.get("inject_step_delay_s") or 0.0)
     resumed_from_step = start_step
     for step in range(start_step, cfg.steps):
         if fail_at_step == step and checkpoint is None and rank == world_size - 1:
             raise RuntimeError(f"injected failure at step {step} on rank {rank}")
+        if step_delay_s > 0:
+            time.sleep(step_delay_s)
         t0 = time.perf_counter()
         lr = cfg.lr_at(step)
         for group in optimizer.param_groups:

@@ -103,9 +103,17 @@ def scaling_config(cfg: JobConfig) -> ScalingConfig:
     )
 
 
-def build_trainer(cfg: JobConfig, job_id: str, *, inject_failure_at_step: int | None = None) -> TorchTrainer:
+def build_trainer(
+    cfg: JobConfig,
+    job_id: str,
+    *,
+    inject_failure_at_step: int | None = None,
+    inject_step_delay_s: float = 0.0,
+) -> TorchTrainer:
     """The TorchTrainer for ``cfg``. ``inject_failure_at_step`` (tests of recovery only): the
-    last rank raises before that step on a run not resumed from a checkpoint."""
+    last rank raises before that step on a run not resumed from a checkpoint.
+    ``inject_step_delay_s`` (elasticity tests only): every step sleeps this long, so a short
+    job stays alive while a test adds nodes or kills workers."""
     storage = cfg.storage_path or str(DEFAULT_STORAGE_PATH)
     run_config = RunConfig(
         name=job_id,
@@ -119,6 +127,7 @@ def build_trainer(cfg: JobConfig, job_id: str, *, inject_failure_at_step: int | 
             "job": cfg.to_dict(),
             "job_id": job_id,
             "inject_failure_at_step": inject_failure_at_step,
+            "inject_step_delay_s": inject_step_delay_s,
         },
         scaling_config=scaling_config(cfg),
         run_config=run_config,
@@ -146,7 +155,11 @@ class JobResult:
 
 
 def run_job(
-    cfg: JobConfig, job_id: str | None = None, *, inject_failure_at_step: int | None = None
+    cfg: JobConfig,
+    job_id: str | None = None,
+    *,
+    inject_failure_at_step: int | None = None,
+    inject_step_delay_s: float = 0.0,
 ) -> JobResult:
     """Run ``cfg`` on the connected Ray cluster (``ray.init`` must have been called)."""
     validate_job(cfg)
@@ -162,7 +175,12 @@ def run_job(
         cfg.max_workers,
     )
     try:
-        result = build_trainer(cfg, job_id, inject_failure_at_step=inject_failure_at_step).fit()
+        result = build_trainer(
+            cfg,
+            job_id,
+            inject_failure_at_step=inject_failure_at_step,
+            inject_step_delay_s=inject_step_delay_s,
+        ).fit()
         error = None if result.error is None else str(result.error)
     except Exception as exc:  # TrainingFailedError once the retries are spent
         result, error = None, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,115 @@
+"""A corrupted payload inside a running collective (2 gloo ranks, spawned): rank 1's payload
+bytes are damaged on the wire from step 1 on (a test-only wrapper around its compressor).
+Every rank decodes every payload, so every rank's step fails with CodecError at that step, at
+once: nobody is left waiting in a collective until its timeout."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tail_ray.collective import register_tail_hook
+from tail_ray.collective.launch import run_local_group
+from tail_ray.errors import CodecError
+
+COLLECTIVE_TIMEOUT_S = 60
+CORRUPT_FROM_STEP = 1
+
+
+IN_FEATURES = 128  # the first layer (8192 weights) is coded, not sent raw
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_FEATURES, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_numba_cache() -> None:
+    """Compile the Tail kernels here once (they cache to disk) so the two spawned ranks load
+    them instead of both compiling at once on a cold CI machine."""
+    from tail_ray.compression import make_compressor
+
+    grads = {n: torch.randn_like(p) for n, p in _model().named_parameters()}
+    compressor = make_compressor("tail")
+    for _ in range(2):
+        compressor.decompress(compressor.compress(grads))
+
+
+class CorruptingCompressor:
+    """Wraps a compressor; once ``armed``, damages what ``compress`` returns."""
+
+    def __init__(self, inner: Any, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def compress(self, grads: dict[str, torch.Tensor]) -> bytes:
+        payload = bytes(self.inner.compress(grads))
+        if not self.armed:
+            return payload
+        if self.mode == "truncated":
+            return payload[: len(payload) // 2]
+        if self.mode == "bad_magic":
+            return b"\x00\x00\x00\x00" + payload[4:]
+        raise ValueError(self.mode)
+
+
+def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = register_tail_hook(ddp, "tail", None)
+    wrapper = CorruptingCompressor(state.compressor, mode) if rank == 1 else None
+    if wrapper is not None:
+        state.compressor = wrapper
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outcome: dict[str, Any] = {"ok_steps": 0}
+    for step in range(3):
+        if wrapper is not None:
+            wrapper.armed = step >= CORRUPT_FROM_STEP
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, IN_FEATURES, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        t0 = time.perf_counter()
+        try:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        except Exception as exc:
+            chain, e = [], exc
+            while e is not None:
+                chain.append(f"{type(e).__name__}: {e}")
+                e = e.__cause__ or e.__context__
+            outcome.update(failed_step=step, failed_after_s=time.perf_counter() - t0, chain=chain)
+            break
+        outcome["ok_steps"] += 1
+    torch.save(outcome, out_dir / f"rank{rank}.pt")
+    dist.barrier()  # both ranks still talk after the failed step: nothing is wedged
+
+
+@pytest.mark.parametrize("mode", ["truncated", "bad_magic"])
+def test_corrupted_payload_fails_the_step_with_codec_error_on_every_rank(tmp_path, mode: str) -> None:
+    t0 = time.monotonic()
+    run_local_group(_worker, 2, (tmp_path, mode), timeout_s=COLLECTIVE_TIMEOUT_S)
+    wall_s = time.monotonic() - t0
+    outs = []
+    for rank in (0, 1):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert out["ok_steps"] == CORRUPT_FROM_STEP, out  # the collective ran fine before
+        assert out["failed_step"] == CORRUPT_FROM_STEP, out
+        assert any(CodecError.__name__ in link for link in out["chain"]), out["chain"]
+        assert out["failed_after_s"] < COLLECTIVE_TIMEOUT_S / 4, out
+        outs.append(out)
+    failed_in = ", ".join(f"{o['failed_after_s'] * 1000:.0f} ms" for o in outs)
+    print(
+        f"\n{mode}: steps failed on both ranks after {failed_in} ({outs[0]['chain'][0][:120]});"
+        f" group wall {wall_s:.1f} s"
+    )
