@@ -6,10 +6,17 @@ layer's quantized levels are coded (bit-pack, dense rANS, sparse rANS) is chosen
 by ``levelcode.encode_levels``: the smallest real body wins. docs/wire-format.md has the
 full layout; in short (all little-endian, varint = unsigned LEB128):
 
-    header   magic b"TAIL" | version u8 (=2) | flags u8 | reserved u16 | n_layers u32
+    header   magic b"TAIL" | version u8 (=3) | flags u8 | reserved u16 | n_layers u32
     layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | varint numel
              | varint bucket_size | varint n_scales | varint nnz | varint body_len
              | scales f32[n_scales] | body u8[body_len]
+    trailer  crc32 u32 of everything before it
+
+The CRC32 trailer (version 3) exists because the framing checks alone cannot see every
+corruption: flipping one bit inside a scale or a raw value, or inside a layer name, leaves a
+well-formed payload that decodes to wrong numbers (measured: 9 of 300 random single-bit
+flips got through version 2). CRC32 detects every burst of up to 32 bits, so a corrupted
+payload raises ``CodecError(field="checksum")`` instead of silently poisoning the average.
 
 RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
 container never inspects float values. QUANT scales are float32 and pass through the same way.
@@ -18,6 +25,7 @@ container never inspects float values. QUANT scales are float32 and pass through
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -30,6 +38,7 @@ from tail_ray.errors import CodecError
 
 __all__ = [
     "MAGIC",
+    "PAYLOAD_OVERHEAD_BYTES",
     "VERSION",
     "Code",
     "EncodedLayer",
@@ -38,12 +47,16 @@ __all__ = [
     "decode_payload",
     "encode_payload",
     "entropy_bound_bytes",
+    "seal",
     "sparse_entropy_bound_bytes",
 ]
 
 MAGIC = b"TAIL"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<4sBBHI")
+_CHECKSUM = struct.Struct("<I")
+# Bytes of a payload that belong to no layer: the header and the checksum trailer.
+PAYLOAD_OVERHEAD_BYTES = _HEADER.size + _CHECKSUM.size
 _LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, reserved
 
 # Sane upper bounds checked before any allocation: a corrupted length must never make the
@@ -171,7 +184,12 @@ def encode_payload(records: list[LayerRecord]) -> tuple[bytes, list[EncodedLayer
         )
         parts.append(chunk)
         costs.append(EncodedLayer(rec.name, len(chunk), CODE_NAMES[code], nnz))
-    return b"".join(parts), costs
+    return seal(b"".join(parts)), costs
+
+
+def seal(frame: bytes) -> bytes:
+    """Append the CRC32 trailer to a framed payload (header + layers)."""
+    return frame + _CHECKSUM.pack(zlib.crc32(frame))
 
 
 def _check_float_body(code: int, body_len: int, want: int, *, layer: str, what: str) -> None:
@@ -198,6 +216,13 @@ def decode_payload(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerR
         raise CodecError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", field="magic")
     if version != VERSION:
         raise CodecError(f"unsupported wire version {version}, this build reads {VERSION}", field="version")
+    if size < _HEADER.size + _CHECKSUM.size:
+        raise CodecError(f"payload is {size} bytes, too short for its checksum", field="checksum")
+    size -= _CHECKSUM.size
+    (want_crc,) = _CHECKSUM.unpack(buf[size:].tobytes())
+    if zlib.crc32(buf[:size].tobytes()) != want_crc:
+        raise CodecError("checksum mismatch: the payload was corrupted in transit", field="checksum")
+    buf = buf[:size]
     if n_layers > MAX_LAYERS:
         raise CodecError(f"n_layers {n_layers} exceeds bound {MAX_LAYERS}", field="n_layers")
     pos = _HEADER.size

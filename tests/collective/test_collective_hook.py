@@ -16,10 +16,10 @@ from tail_ray.collective.hook import tail_hook
 from tail_ray.collective.launch import run_local_group
 from tail_ray.collective.transport import SIZE_BYTES, all_gather_bytes, ring_allreduce_bytes
 from tail_ray.compression import make_compressor
-from tail_ray.compression.wire import _HEADER
+from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES
 from tail_ray.errors import ConfigError
 
-PAYLOAD_HEADER_BYTES = _HEADER.size
+PAYLOAD_HEADER_BYTES = PAYLOAD_OVERHEAD_BYTES  # header + CRC32 trailer
 TIMEOUT_S = 60
 
 
@@ -111,7 +111,7 @@ def test_none_gives_the_gradients_of_plain_ddp(scenarios, use_allgather):
             assert sorted(layer.layer for layer in met.layers) == sorted(names)
             assert met.raw_bytes == raw_bytes
             if use_allgather:
-                # Per bucket: a size word + the payload (its header + the layers' bytes); equal
+                # Per bucket: a size word + the payload (its header, the layers' bytes, the CRC); equal
                 # sizes on both ranks here, so no padding.
                 assert met.bytes_sent == met.encoded_bytes + met.exchanges * (
                     SIZE_BYTES + PAYLOAD_HEADER_BYTES

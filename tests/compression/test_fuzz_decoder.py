@@ -15,7 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tail_ray.compression.levelcode import candidate_codes, decode_levels, encode_levels, varint
-from tail_ray.compression.wire import MAGIC, VERSION, Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.compression.wire import (
+    MAGIC,
+    VERSION,
+    Kind,
+    LayerRecord,
+    decode_payload,
+    encode_payload,
+    seal,
+)
 from tail_ray.errors import CodecError
 
 MAX_NUMEL = 1 << 22
@@ -106,7 +114,7 @@ def test_random_bytes(data: bytes) -> None:
 @FUZZ
 @given(st.binary(max_size=3000), st.integers(0, 3))
 def test_random_bytes_behind_a_valid_header(data: bytes, n_layers: int) -> None:
-    _check(struct.pack("<4sBBHI", MAGIC, VERSION, 0, 0, n_layers) + data)
+    _check(seal(struct.pack("<4sBBHI", MAGIC, VERSION, 0, 0, n_layers) + data))
 
 
 @FUZZ
@@ -115,10 +123,27 @@ def test_random_bytes_behind_a_valid_header(data: bytes, n_layers: int) -> None:
     st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 7)), min_size=1, max_size=8),
 )
 def test_bit_flips(which: int, flips: list[tuple[int, int]]) -> None:
-    bad = bytearray(VALID[which])
+    # Flip inside the frame and re-seal, so the parser's own checks (not the CRC) are fuzzed.
+    bad = bytearray(_frame(VALID[which]))
     for at, bit in flips:
         bad[at % len(bad)] ^= 1 << bit
-    _check(bytes(bad))
+    _check(seal(bytes(bad)))
+
+
+@FUZZ
+@given(st.sampled_from(range(len(VALID))), st.integers(0, 1 << 20), st.integers(0, 7))
+def test_any_single_bit_flip_in_transit_is_caught(which: int, at: int, bit: int) -> None:
+    # Without re-sealing: every single-bit error anywhere must raise, never decode silently
+    # (version 2 let 9 of 300 through as wrong numbers; the CRC32 trailer closes that).
+    bad = bytearray(VALID[which])
+    bad[at % len(bad)] ^= 1 << bit
+    with pytest.raises(CodecError):
+        decode_payload(bytes(bad))
+
+
+def _frame(payload: bytes) -> bytes:
+    """The payload without its CRC32 trailer."""
+    return payload[:-4]
 
 
 @FUZZ
@@ -146,17 +171,17 @@ def _varint_offsets(payload: bytes) -> list[tuple[int, int]]:
 @FUZZ
 @given(st.sampled_from(range(len(VALID))), st.integers(0, 4), st.integers(0, 1 << 40))
 def test_edited_length_fields(which: int, field_no: int, value: int) -> None:
-    payload = VALID[which]
+    payload = _frame(VALID[which])
     start, length = _varint_offsets(payload)[field_no]
-    _check(payload[:start] + varint(value) + payload[start + length :])
+    _check(seal(payload[:start] + varint(value) + payload[start + length :]))
 
 
 @FUZZ
 @given(st.sampled_from(range(len(VALID))), st.integers(0, 255), st.integers(0, 1 << 20))
 def test_overwritten_byte_anywhere(which: int, value: int, at: int) -> None:
-    bad = bytearray(VALID[which])
+    bad = bytearray(_frame(VALID[which]))
     bad[at % len(bad)] = value
-    _check(bytes(bad))
+    _check(seal(bytes(bad)))
 
 
 @pytest.mark.parametrize("version", [0, 1, VERSION + 1, 255])

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from tail_ray.compression.wire import (
+    PAYLOAD_OVERHEAD_BYTES,
     VERSION,
     EncodedLayer,
     Kind,
     LayerRecord,
     decode_payload,
     encode_payload,
+    seal,
 )
 from tail_ray.errors import CodecError
 
@@ -67,7 +69,7 @@ def test_every_bit_width_round_trips_dense_and_sparse_and_edges(bits: int) -> No
     for a, b in zip(records, decoded, strict=True):
         assert_same(a, b)
         assert b.levels is not None and b.levels.dtype == np.int8
-    assert sum(c.encoded_bytes for c in costs) + 12 == len(payload)  # every byte is attributed
+    assert sum(c.encoded_bytes for c in costs) + PAYLOAD_OVERHEAD_BYTES == len(payload)  # all attributed
     assert [c.nnz for c in costs] == [int(np.count_nonzero(r.levels)) for r in records]
 
 
@@ -169,7 +171,10 @@ def test_wrong_version_and_trailing_bytes_are_codec_errors() -> None:
         decode_payload(bytes(bad))
     assert err.value.field == "version"
     with pytest.raises(CodecError) as err:
-        decode_payload(payload + b"\0")
+        decode_payload(payload + b"\0")  # the CRC no longer sits where it should
+    assert err.value.field == "checksum"
+    with pytest.raises(CodecError) as err:
+        decode_payload(seal(payload[:-4] + b"\0"))  # a sealed frame with a stray byte
     assert err.value.field == "trailer"
 
 
