@@ -1,0 +1,317 @@
+"""Convergence benchmark: every compression method, same seed and steps, 2 workers.
+
+    python -m jobs.bench_convergence [--quick] [--json PATH] [--tasks digits,lm] [--methods none,tail]
+
+Two worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
+train each (task, method) through the SAME comm hook code the Ray Train jobs use
+(tail_ray.collective.register_tail_hook). Tasks, with the settings of jobs/configs:
+- digits: digits_cnn on scikit-learn's digits, SGD momentum 0.9, lr 0.05 dropped x0.1 at 75%;
+- lm: char_transformer on the standard library's source, AdamW lr 3e-3 dropped x0.1 at 80%.
+
+Printed per (task, method): final validation accuracy / loss, bytes sent per worker per step,
+traffic reduction against "none" (over the whole run, and over its second half, after the
+warm-up phases), wall time per step and its compress / communicate / decode parts (means after
+the first steps, which include numba's JIT), and for tail the bits, tau and noise estimate it
+ended with. Speeds are reported, never asserted (the machine is shared and noisy).
+
+Traffic: bytes this worker handed to the collectives (all-gather: size word + padded
+payload; all-reduce: the ring model 2*(W-1)/W of the reduced bytes), see docs/collective.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tail_ray.collective import register_tail_hook
+from tail_ray.collective.launch import run_local_group
+from tail_ray.runner.datasets import make_dataset
+from tail_ray.runner.models import evaluate, loss_fn, make_model
+
+SEED = 0
+WORLD_SIZE = 2
+WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    dataset: str
+    model: str
+    optimizer: str
+    lr: float
+    batch_size: int
+    lr_drop_at: float
+    steps: int
+    quick_steps: int
+    metric: str  # what "final" means: val_accuracy (higher better) or val_loss (lower better)
+
+
+TASKS = {
+    "digits": Task("digits", "digits", "digits_cnn", "sgd", 0.05, 32, 0.75, 300, 80, "val_accuracy"),
+    "lm": Task("lm", "stdlib_chars", "char_transformer", "adamw", 3e-3, 16, 0.8, 300, 30, "val_loss"),
+}
+
+# (label, method, config): the peers of TAIL.md at their usual settings, and Tail's defaults.
+METHODS: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("none", "none", None),
+    ("fp16", "fp16", None),
+    ("powersgd-r2", "powersgd", {"rank": 2}),
+    ("qsgd-8", "qsgd", {"bits": 8}),
+    ("topk-1%", "topk", {"density": 0.01}),
+    ("tail", "tail", None),
+]
+
+
+@dataclass
+class RunResult:
+    task: str
+    label: str
+    method: str
+    steps: int
+    final: dict[str, float]
+    final_train_loss: float
+    bytes_sent_per_step: float
+    bytes_sent_per_step_2nd_half: float  # after warm-up phases: the steady-state traffic
+    bytes_received_per_step: float
+    raw_bytes_per_step: float
+    step_s: float
+    compress_s_per_step: float
+    comm_s_per_step: float
+    decode_s_per_step: float
+    tail_bits: dict[str, int] | None = None  # bits -> share of quantized elements (permille)
+    tail_tau: dict[str, float] | None = None  # layer -> tau at the end
+    tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
+
+
+def _steady_mean(values: list[float]) -> float:
+    return statistics.mean(values[WARMUP_STEPS_EXCLUDED:] or values)
+
+
+def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+    if task.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=task.lr, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=task.lr, momentum=0.9)
+
+
+def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
+    """What Tail's controller ended with: bits share, tau and noise per layer (bench-only peek)."""
+    total = sum(bits_elems.values()) or 1
+    shares = {str(b): round(1000 * n / total) for b, n in sorted(bits_elems.items())}
+    out: dict[str, Any] = {"tail_bits": shares}
+    controller = getattr(state.compressor, "controller", None)
+    policy = getattr(controller, "policy", None)
+    if policy is not None:
+        step = state.compressor.step
+        names = sorted(getattr(controller, "plans", {}))
+        out["tail_tau"] = {n: round(policy.tau(n, step), 5) for n in names}
+        out["tail_noise"] = {n: round(policy.relative_noise(n) or 0.0, 5) for n in names}
+    return out
+
+
+def _train_one(rank: int, task: Task, label: str, method: str, config: Any, steps: int) -> RunResult | None:
+    ds = make_dataset(task.dataset, seed=SEED)
+    model = make_model(task.model, ds, seed=SEED)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = register_tail_hook(ddp, method, config)
+    opt = _optimizer(task, ddp.parameters())
+    drop_step = int(task.lr_drop_at * steps)
+    step_s: list[float] = []
+    sent: list[int] = []
+    received = raw = 0
+    compress_s: list[float] = []
+    comm_s: list[float] = []
+    decode_s: list[float] = []
+    bits_elems: Counter = Counter()
+    loss_value = float("nan")
+    for step in range(steps):
+        start = time.perf_counter()
+        lr = task.lr * (0.1 if step >= drop_step else 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        state.set_lr(lr)
+        x, y = ds.batch(seed=SEED, step=step, rank=rank, world_size=WORLD_SIZE, batch_size=task.batch_size)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ds, ddp(x), y)
+        loss.backward()
+        opt.step()
+        step_s.append(time.perf_counter() - start)
+        m = state.drain_metrics()
+        sent.append(m.bytes_sent)
+        received += m.bytes_received
+        raw += m.raw_bytes
+        compress_s.append(m.compress_s)
+        comm_s.append(m.comm_s)
+        decode_s.append(m.decode_s)
+        if method == "tail" and step >= steps // 2:
+            for layer in m.layers:
+                if layer.bits < 32:
+                    bits_elems[layer.bits] += layer.numel
+        loss_value = float(loss.detach())
+    if rank != 0:
+        return None
+    extra = _tail_details(state, bits_elems) if method == "tail" else {}
+    return RunResult(
+        task=task.name,
+        label=label,
+        method=method,
+        steps=steps,
+        final=evaluate(ddp.module, ds),
+        final_train_loss=loss_value,
+        bytes_sent_per_step=sum(sent) / steps,
+        bytes_sent_per_step_2nd_half=statistics.mean(sent[steps // 2 :]),
+        bytes_received_per_step=received / steps,
+        raw_bytes_per_step=raw / steps,
+        step_s=_steady_mean(step_s),
+        compress_s_per_step=_steady_mean(compress_s),
+        comm_s_per_step=_steady_mean(comm_s),
+        decode_s_per_step=_steady_mean(decode_s),
+        **extra,
+    )
+
+
+def _worker(rank: int, world_size: int, plan: list[tuple[str, str, str, Any, int]], out_path: str) -> None:
+    # Same process pair for every run: spawning and importing costs seconds on a busy machine.
+    results = []
+    for task_name, label, method, config, steps in plan:
+        res = _train_one(rank, TASKS[task_name], label, method, config, steps)
+        if res is not None:
+            results.append(asdict(res))
+            # Written after every run, so a crash late in the plan keeps what finished.
+            Path(out_path).write_text(json.dumps(results))
+
+
+def run(
+    tasks: list[str],
+    methods: list[str],
+    quick: bool,
+    timeout_s: float,
+    tail_variants: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
+    # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
+    rows += [(f"tail*{i + 1}", "tail", variant) for i, variant in enumerate(tail_variants or [])]
+    plan = [
+        (t, label, method, config, TASKS[t].quick_steps if quick else TASKS[t].steps)
+        for t in tasks
+        for label, method, config in rows
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        run_local_group(_worker, WORLD_SIZE, (plan, str(out)), timeout_s=timeout_s)
+        return json.loads(out.read_text())
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    for task in dict.fromkeys(r["task"] for r in results):
+        rows = [r for r in results if r["task"] == task]
+        base = next((r for r in rows if r["method"] == "none"), None)
+        metric = TASKS[task].metric
+        print(f"\n== {task} ({rows[0]['steps']} steps, {WORLD_SIZE} workers, gloo)")
+        print(
+            f"{'method':<12} {metric:>12} {'vs none':>9} {'sent/step':>11} {'reduction':>10} {'2nd half':>9} "
+            f"{'step ms':>8} {'comp ms':>8} {'comm ms':>8} {'dec ms':>7}"
+        )
+        for r in rows:
+            value = r["final"][metric]
+            if base is None:
+                delta = ""
+            elif metric == "val_accuracy":
+                delta = f"{100 * (value - base['final'][metric]):+.2f}pt"
+            else:
+                delta = f"{100 * (value / base['final'][metric] - 1):+.2f}%"
+            shown = f"{100 * value:.2f}%" if metric == "val_accuracy" else f"{value:.4f}"
+            reduction = (
+                f"{base['bytes_sent_per_step'] / r['bytes_sent_per_step']:.1f}x"
+                if base is not None and r["bytes_sent_per_step"]
+                else "-"
+            )
+            late = (
+                f"{base['bytes_sent_per_step_2nd_half'] / r['bytes_sent_per_step_2nd_half']:.1f}x"
+                if base is not None and r["bytes_sent_per_step_2nd_half"]
+                else "-"
+            )
+            print(
+                f"{r['label']:<12} {shown:>12} {delta:>9} {_fmt_bytes(r['bytes_sent_per_step']):>11} "
+                f"{reduction:>10} {late:>9} {1000 * r['step_s']:>8.1f} "
+                f"{1000 * r['compress_s_per_step']:>8.1f} {1000 * r['comm_s_per_step']:>8.1f} "
+                f"{1000 * r['decode_s_per_step']:>7.1f}"
+            )
+        for r in rows:
+            if r.get("tail_bits"):
+                print(
+                    f"[{r['label']}] bits chosen (permille of quantized elements, 2nd half): {r['tail_bits']}"
+                )
+                taus = r.get("tail_tau") or {}
+                noise = r.get("tail_noise") or {}
+                for name in taus:
+                    print(f"  {name:<40} tau {taus[name]:.4f}  noise {noise.get(name, 0.0):.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer steps (about 2 minutes)")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {sorted(TASKS)}")
+    parser.add_argument(
+        "--methods",
+        default=",".join(label for label, _, _ in METHODS),
+        help="comma list of labels or methods",
+    )
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
+    parser.add_argument(
+        "--tail-variant",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="extra tail row with these settings, e.g. '{\"noise_fraction\": 0.25}' (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        variants = [json.loads(v) for v in args.tail_variant]
+    except json.JSONDecodeError as exc:
+        parser.error(f"--tail-variant must be a JSON object: {exc}")
+    if any(not isinstance(v, dict) for v in variants):
+        parser.error("--tail-variant must be a JSON object of TailConfig settings")
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        parser.error(f"unknown task(s) {unknown}; choose from {sorted(TASKS)}")
+    methods = [m for m in args.methods.split(",") if m]
+    known = {label for label, _, _ in METHODS} | {method for _, method, _ in METHODS}
+    if any(m not in known for m in methods):
+        bad = [m for m in methods if m not in known]
+        parser.error(f"unknown method(s) {bad}; choose from {sorted(known)}")
+    started = time.perf_counter()
+    results = run(tasks, methods, args.quick, args.timeout_s, variants)
+    for i, variant in enumerate(variants):
+        print(f"tail*{i + 1}: tail with {variant}")
+    print_table(results)
+    print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

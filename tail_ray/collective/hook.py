@@ -1,0 +1,110 @@
+"""The comm hook for payload compressors (qsgd, topk, tail): compress -> all-gather -> decode all.
+
+Per DDP bucket:
+    compress   each layer's gradient, keyed by parameter name, into ONE payload
+    exchange   payloads of different sizes between ranks (transport.all_gather_bytes)
+    decode     every rank's payload (any compressor instance decodes any payload)
+    average    the decoded gradients and write them into the bucket's gradient views
+and return an already-completed future, which is what DDP waits on.
+
+Why synchronous: DDP calls bucket hooks in bucket-index order on every rank, from one
+thread. If every collective is issued right here, before returning, every rank issues the
+same collectives in the same order whatever the timing. Chaining collectives in future
+callbacks (as PyTorch's powerSGD_hook does) lets callback threads of different buckets race,
+and gloo then pairs mismatched collectives or hangs. The cost is that this bucket's exchange
+does not overlap the rest of backward; the payload is small, which is the point.
+"""
+
+# No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
+# annotations with dist.GradBucket / Future[Tensor] objects, not strings.
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tail_ray.collective.state import TailHookState
+from tail_ray.collective.transport import all_gather_bytes
+from tail_ray.errors import CodecError
+
+
+def average_decoded(
+    names: list[str], decoded_by_rank: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Mean over ranks of each named layer; a payload missing a layer is a CodecError."""
+    world_size = len(decoded_by_rank)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        total: torch.Tensor | None = None
+        for rank, decoded in enumerate(decoded_by_rank):
+            try:
+                t = decoded[name]
+            except KeyError:
+                raise CodecError(
+                    f"rank {rank}'s payload lacks this layer", layer=name, field="name"
+                ) from None
+            total = t.clone() if total is None else total.add_(t)
+        assert total is not None  # names is non-empty per bucket; world_size >= 1
+        out[name] = total.div_(world_size)
+    return out
+
+
+def observe_peers(state: TailHookState, decoded_by_rank: list[dict[str, torch.Tensor]]) -> None:
+    """Let the compressor see every rank's decoded gradient (the controller's noise estimate)."""
+    observe = getattr(state.compressor, "observe_peers", None)
+    if callable(observe):
+        observe(decoded_by_rank)
+
+
+def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for the payload compressors; register with ``register_tail_hook``."""
+    compressor = state.compressor
+    if compressor is None:
+        raise RuntimeError("tail_hook needs a state built for a payload compressor (qsgd, topk, tail)")
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    names = [state.name_of(p) for p in params]
+
+    start = time.perf_counter()
+    payload = compressor.compress(dict(zip(names, grads, strict=True)))
+    layers = list(compressor.last_stats)
+    compressed = time.perf_counter()
+
+    payloads, traffic = all_gather_bytes(payload, state.process_group, device=bucket.buffer().device)
+    exchanged = time.perf_counter()
+
+    decoded = [compressor.decompress(p) for p in payloads]
+    observe_peers(state, decoded)
+    for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
+        # The gradient views alias the bucket buffer, so this writes what DDP reads back.
+        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+    decoded_at = time.perf_counter()
+
+    state.record(
+        layers=layers,
+        bytes_sent=traffic.bytes_sent,
+        bytes_received=traffic.bytes_received,
+        compress_s=compressed - start,
+        comm_s=exchanged - compressed,
+        decode_s=decoded_at - exchanged,
+        exchanges=1,
+    )
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def local_round_trip(state: TailHookState, grads: list[tuple[str, torch.Tensor]]) -> None:
+    """World size 1: compress -> decompress in place, same semantics and metrics, no exchange."""
+    compressor = state.compressor
+    assert compressor is not None
+    names = [n for n, _ in grads]
+    start = time.perf_counter()
+    payload = compressor.compress(dict(grads))
+    layers = list(compressor.last_stats)
+    compressed = time.perf_counter()
+    decoded = [compressor.decompress(payload)]
+    observe_peers(state, decoded)
+    for (_, g), mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
+        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+    state.record(layers=layers, compress_s=compressed - start, decode_s=time.perf_counter() - compressed)

@@ -1,0 +1,65 @@
+"""Run a function on W local processes joined in a gloo group on 127.0.0.1.
+
+Used by the tests and by jobs/bench_convergence: real torch.distributed, no Ray start-up.
+Every collective gets ``timeout_s`` (so a mismatch fails instead of hanging), and the whole
+run gets ``timeout_s`` too: the processes are killed and TimeoutError raised past it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # One intra-op thread per process: W processes share the machine's cores.
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_group(
+    fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 60.0
+) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise on failure.
+
+    ``fn`` must be importable by name (a module-level function). Results travel back through
+    files or queues the caller passes in ``args``.
+    """
+    port = free_port()
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, world_size, port, timeout_s, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"local group of {world_size} did not finish within {timeout_s} s")
