@@ -168,6 +168,7 @@ class TailCompressor:
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
         self._residual_sq: dict[str, float] = {}  # ||e||^2 of each layer's current residual
+        self._last_records: list[LayerRecord] | None = None  # what the last ``compress`` sent
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -182,6 +183,7 @@ class TailCompressor:
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = self.compress_records(grads)
         payload, costs = encode_payload(records)
+        self._last_records = records
         self._last = [
             layer_stats(rec, cost, err, nnz)
             for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
@@ -250,6 +252,22 @@ class TailCompressor:
     # --- receiving -----------------------------------------------------------------------
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    def decoded_last(self) -> dict[str, torch.Tensor] | None:
+        """What ``decompress`` would return for the payload of the last ``compress`` call, without
+        entropy-decoding it (the levels and scales are still here; the coding is lossless, so
+        the result is bit-identical). The hook uses it for its own rank's payload. Raw layers
+        are copied (they alias the caller's gradient, which the hook overwrites). None before
+        the first ``compress``; each call's records are handed out once.
+        """
+        records, self._last_records = self._last_records, None
+        if records is None:
+            return None
+        out = records_to_flat(records)
+        for rec in records:
+            if rec.kind != Kind.QUANT:
+                out[rec.name] = out[rec.name].clone()
+        return out
 
     @staticmethod
     def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
