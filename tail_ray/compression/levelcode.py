@@ -292,6 +292,12 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     for code, _est in sorted(candidates.items(), key=lambda kv: kv[1]):
         if code == Code.SPARSE_RANS and not gaps_exact:
             exact_gaps()
+            assert slot_model is not None and level_model is not None
+            exact_est = (
+                slot_model.est_stream_bytes + level_model.est_stream_bytes + 4 + math.ceil(extra_bits / 8)
+            )
+            if exact_est > dense_est * (1 - SPARSE_MIN_GAIN):
+                continue  # the sample was wrong about the gaps: the dense code is next
         body = build(code)
         if body is not None and (code == Code.BITPACK or len(body) <= candidates[Code.BITPACK]):
             return code, nnz, body
