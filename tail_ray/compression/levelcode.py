@@ -189,7 +189,7 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
             lv, half, counts, slot_counts
         )
     else:
-        nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
+        nnz, extra_bits, gaps_exact = pairs.level_stats_fast(lv, half, counts, slot_counts)
     if nnz < 0:
         lo, hi = int(lv.min()), int(lv.max())
         raise CodecError(

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from tail_ray.compression.entropy import byte_histogram
-from tail_ray.compression.sparse import _slot
+from tail_ray.compression.sparse import _slot, level_stats
 
 MAX_PAIR_SCALE_BITS = 14
 MIN_PAIR_SCALE_BITS = 12
@@ -261,6 +261,19 @@ def pair_level_stats_fast(
     if n & 1:
         counts[np.int64(levels[n - 1]) + half] -= 1  # the padding copy is not a level
     nnz = n - counts[half]
+    extra = sampled_gaps(levels, nnz, slot_counts)
+    if extra < 0:  # no gap in the sample (very sparse layer): count them all
+        nnz, extra, syms, pc = pair_level_stats(levels, half, counts, slot_counts)
+        return nnz, extra, syms, pc, True
+    return nnz, extra, syms, pc, False
+
+
+@njit(cache=True, nogil=True)
+def sampled_gaps(levels: np.ndarray, nnz: int, slot_counts: np.ndarray) -> int:  # pragma: no cover - jit
+    """Fill ``slot_counts`` with the gap-slot histogram of the non-zeros estimated from evenly
+    spaced windows and scaled to ``nnz`` gaps (a slot seen keeps >= 1); return the estimated
+    extra bits, or -1 when the sample held no gap (the caller then counts exactly)."""
+    n = levels.size
     for s in range(slot_counts.size):
         slot_counts[s] = 0
     g = np.zeros(8, dtype=np.int64)
@@ -273,12 +286,35 @@ def pair_level_stats_fast(
         extra += e
     for t in range(7):
         slot_counts[t] += g[t]
-    if counted == 0:  # no gap in the sample (very sparse layer): count them all
-        nnz, extra, syms, pc = pair_level_stats(levels, half, counts, slot_counts)
-        return nnz, extra, syms, pc, True
-    # Scale the sampled histogram to nnz gaps (a slot seen in the sample keeps >= 1).
+    if counted == 0:
+        return -1
     for s in range(slot_counts.size):
         if slot_counts[s] > 0:
             v = (slot_counts[s] * nnz) // counted
             slot_counts[s] = v if v > 0 else 1
-    return nnz, (extra * nnz) // counted, syms, pc, False
+    return (extra * nnz) // counted
+
+
+@njit(cache=True, nogil=True)
+def level_stats_fast(
+    levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
+) -> tuple[int, int, bool]:  # pragma: no cover - jit
+    """``sparse.level_stats`` for large layers: level counts exact (``byte_histogram``), gap
+    slots estimated by ``sampled_gaps``. Returns (nnz or -1, extra_bits, exact)."""
+    n = levels.size
+    if n <= GAP_EXACT_NUMEL:
+        nnz, extra = level_stats(levels, half, counts, slot_counts)
+        return nnz, extra, True
+    h = byte_histogram(levels)
+    total = 0
+    for v in range(counts.size):
+        counts[v] = h[(v - half) & 0xFF]
+        total += counts[v]
+    if total != n:  # a level outside [-L, L]
+        return -1, 0, True
+    nnz = n - counts[half]
+    extra = sampled_gaps(levels, nnz, slot_counts)
+    if extra < 0:
+        nnz, extra = level_stats(levels, half, counts, slot_counts)
+        return nnz, extra, True
+    return nnz, extra, False

@@ -104,3 +104,34 @@ def test_decoded_last_equals_decoding_the_payload() -> None:
         # Raw layers are copies: the hook overwrites the gradient they came from.
         assert own["b"].data_ptr() != grads["b"].data_ptr()
         assert comp.decoded_last() is None  # handed out once per compress
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_fast_level_stats_exact_counts_sampled_gaps(bits: int) -> None:
+    half = levelcode.half_range(bits)
+    lv = _levels(N_LARGE, half, 0.5, seed=bits)
+    c_ref = np.zeros(2 * half + 1, np.int64)
+    s_ref = np.zeros(sparse.N_SLOTS, np.int64)
+    nnz, extra = sparse.level_stats(lv, half, c_ref, s_ref)
+    c = np.zeros_like(c_ref)
+    s = np.zeros_like(s_ref)
+    nnz_f, extra_f, exact = pairs.level_stats_fast(lv, half, c, s)
+    assert not exact and nnz_f == nnz
+    np.testing.assert_array_equal(c, c_ref)
+    assert abs(int(s.sum()) - nnz) <= 0.02 * nnz
+    assert abs(extra_f - extra) <= 0.1 * extra + 64
+    lv[7] = half + 1 if half < 127 else -128  # outside [-L, L] (int8 -128 for bits 8)
+    assert pairs.level_stats_fast(lv, half, c, s)[0] == -1
+    with pytest.raises(CodecError):
+        levelcode.encode_levels(lv, bits)
+
+
+@pytest.mark.parametrize("bits", [6, 8])
+def test_large_wide_layer_round_trips_every_code(bits: int) -> None:
+    half = levelcode.half_range(bits)
+    for density in (0.02, 0.7):
+        lv = _levels(N_LARGE, half, density, seed=bits)
+        for code in (None, *levelcode.candidate_codes(bits, lv.size)):
+            c, nnz, body = levelcode.encode_levels(lv, bits, force=code)
+            out = levelcode.decode_levels(c, np.frombuffer(body, np.uint8), lv.size, bits, nnz, layer="x")
+            np.testing.assert_array_equal(out, lv)
