@@ -178,7 +178,7 @@ def symbol_pair_values(alphabet: int) -> np.ndarray:
 # layer. The loop-carried "last non-zero" chain makes the gap pass the slowest part of the
 # counting; the estimate only ranks the codes, and the sparse code, when chosen, is built
 # from an exact count (``sparse.level_stats``).
-GAP_EXACT_NUMEL = 1 << 17
+GAP_EXACT_NUMEL = 1 << 15
 GAP_WINDOW = 4096
 GAP_SAMPLE_EVERY = 8
 
