@@ -69,7 +69,7 @@ class TailConfig:
         worker's compression noise at most a quarter of its SGD noise (the gradient noise
         the average sees grows by <= 25 %, like a <= 20 % smaller batch). Measured: 1.0
         (3 bits) cost the char LM +2.2-2.5 % validation loss, 0.35 +1.4-1.7 %, 0.25 (4 bits)
-        +0.2-1.3 %, mean +0.8 % (docs/engine.md).
+        +0.2-1.3 %, mean +0.9 % (docs/engine.md).
     tau_default: tau while no spread is known (world size 1, first step).
     tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
     warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical

@@ -101,7 +101,7 @@ def test_state_roundtrip():
 @pytest.mark.parametrize("r", [1.0, 0.6, 0.1])
 def test_default_budget_is_a_quarter_of_the_sgd_noise(r):
     # The default rule (measured on the char LM: compression noise equal to the SGD noise cost
-    # +2.2-2.5 % validation loss, a quarter of it +0.2-1.3 %, mean +0.8 %): tau = r / 4 when steady.
+    # +2.2-2.5 % validation loss, a quarter of it +0.2-1.3 %, mean +0.9 %): tau = r / 4 when steady.
     p = _policy()
     _noise(p, "w", r)
     s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
