@@ -8,6 +8,9 @@ spread between them is a free per-layer estimate of the mini-batch noise:
     r = (spread - what compression put into the d_i) / ||g||^2
     tau = clip(noise_fraction * r * phase_factor, tau_min, tau_max)
 
+with ``noise_fraction`` = 1/4 by default: compression may add at most a quarter of the noise
+SGD already has (r <= 1 by construction, so tau <= 1/4 outside critical phases).
+
 (d_i are the decoded peers' gradients; see ``relative_noise`` for the correction, so
 compression does not feed its own budget.) Without peers (world size
 1, or before the first all-gather) tau is ``tau_default``.

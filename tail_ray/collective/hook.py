@@ -56,6 +56,18 @@ def observe_peers(state: TailHookState, decoded_by_rank: list[dict[str, torch.Te
         observe(decoded_by_rank)
 
 
+def decode_all(compressor: object, payloads: list[bytes], own_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Decode every rank's payload. This rank's own is taken from the compressor when it can
+    give it (``decoded_last``: its levels and scales, no entropy decoding; bit-identical since
+    the coding is lossless), which saves 1/W of the decoding."""
+    own = getattr(compressor, "decoded_last", None)
+    mine = own() if callable(own) else None
+    decompress = compressor.decompress  # type: ignore[attr-defined]
+    return [
+        mine if rank == own_rank and mine is not None else decompress(p) for rank, p in enumerate(payloads)
+    ]
+
+
 def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for the payload compressors; register with ``register_tail_hook``."""
     compressor = state.compressor
@@ -73,7 +85,7 @@ def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     payloads, traffic = all_gather_bytes(payload, state.process_group, device=bucket.buffer().device)
     exchanged = time.perf_counter()
 
-    decoded = [compressor.decompress(p) for p in payloads]
+    decoded = decode_all(compressor, payloads, dist.get_rank(state.process_group))
     observe_peers(state, decoded)
     for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
         # The gradient views alias the bucket buffer, so this writes what DDP reads back.

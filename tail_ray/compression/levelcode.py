@@ -181,10 +181,15 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     counts = np.zeros(2 * half + 1, dtype=np.int64)
     slot_counts = np.zeros(sparse.N_SLOTS, dtype=np.int64)
     pair_syms = pair_counts = None
+    gaps_exact = True
     if bits <= PAIR_MAX_BITS:
-        nnz, extra_bits, pair_syms, pair_counts = pairs.pair_level_stats(lv, half, counts, slot_counts)
+        # Large layers: gap slots estimated from a sample (level and pair counts exact);
+        # re-counted exactly below if the sparse code is the one to build.
+        nnz, extra_bits, pair_syms, pair_counts, gaps_exact = pairs.pair_level_stats_fast(
+            lv, half, counts, slot_counts
+        )
     else:
-        nnz, extra_bits = sparse.level_stats(lv, half, counts, slot_counts)
+        nnz, extra_bits, gaps_exact = pairs.level_stats_fast(lv, half, counts, slot_counts)
     if nnz < 0:
         lo, hi = int(lv.min()), int(lv.max())
         raise CodecError(
@@ -257,9 +262,19 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
         parts = (_table(slot_model), _table(level_model), varint(nw_slot), w_slot, varint(nw_lvl), w_lvl)
         return b"".join((*parts, extra.tobytes()))
 
+    def exact_gaps() -> None:
+        # The sparse estimate came from sampled gaps: the real model must see every gap.
+        nonlocal nnz, extra_bits, slot_model, gaps_exact
+        exact_nnz, extra_bits = sparse.level_stats(lv, half, np.zeros_like(counts), slot_counts)
+        nnz = int(exact_nnz)
+        slot_model = _build_model(slot_counts)
+        gaps_exact = True
+
     if force is not None:
         if force not in candidates:
             raise CodecError(f"code {force.name} is not a candidate for this layer", field="code")
+        if force == Code.SPARSE_RANS and not gaps_exact:
+            exact_gaps()
         body = build(force)
         if body is None:
             raise CodecError(f"code {force.name} refused this layer (capacity rule)", field="code")
@@ -275,6 +290,14 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
         # is several times faster at high density and within SPARSE_MIN_GAIN of the size.
         del candidates[Code.SPARSE_RANS]
     for code, _est in sorted(candidates.items(), key=lambda kv: kv[1]):
+        if code == Code.SPARSE_RANS and not gaps_exact:
+            exact_gaps()
+            assert slot_model is not None and level_model is not None
+            exact_est = (
+                slot_model.est_stream_bytes + level_model.est_stream_bytes + 4 + math.ceil(extra_bits / 8)
+            )
+            if exact_est > dense_est * (1 - SPARSE_MIN_GAIN):
+                continue  # the sample was wrong about the gaps: the dense code is next
         body = build(code)
         if body is not None and (code == Code.BITPACK or len(body) <= candidates[Code.BITPACK]):
             return code, nnz, body

@@ -96,3 +96,18 @@ def test_state_roundtrip():
     q = BudgetPolicy(BudgetSettings(**vars(TailConfig().budget_settings())))
     q.load_state_dict(p.state_dict())
     assert q.state_dict() == p.state_dict() and q.tau("w", 5) == p.tau("w", 5)
+
+
+@pytest.mark.parametrize("r", [1.0, 0.6, 0.1])
+def test_default_budget_is_a_quarter_of_the_sgd_noise(r):
+    # The default rule (measured on the char LM: compression noise equal to the SGD noise cost
+    # +2.2-2.5 % validation loss, a quarter of it +0.2-1.3 %, mean +0.9 %): tau = r / 4 when steady.
+    p = _policy()
+    _noise(p, "w", r)
+    s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
+    assert p.phase("w", s) == Phase.STEADY
+    assert p.tau("w", s) == pytest.approx(r / 4)
+    # r <= 1 by construction (spread / (signal + spread)), so the steady budget never passes 1/4,
+    # which on max-abs buckets of 512 rules out 3 bits (nu_3 ~ 0.2-0.37 on real gradients) for
+    # pure-noise layers unless their distribution makes 3 bits that accurate.
+    assert p.tau("w", s) <= 0.25

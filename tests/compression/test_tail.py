@@ -191,3 +191,23 @@ def test_noise_estimate_is_not_fooled_by_compression_and_residuals():
             c.observe_peers(decoded)
     r = comps[0].controller.policy.relative_noise("w")
     assert r is not None and r < 0.1  # uncorrected, it would read ~0.7 (nu + residual ~ 0.3 + 0.4)
+
+
+def test_default_budget_keeps_compression_noise_a_quarter_of_sgd_noise():
+    """Workers whose gradients are pure mini-batch noise (r ~ 1): the default rule allows
+    compression noise of at most ~1/4 of it, so the chosen bits' estimated error is <= ~0.25
+    (Gaussian buckets of 512: nu_2 ~ 1.3 does not fit, nu_3 ~ 0.21 does)."""
+    gen = torch.Generator().manual_seed(4)
+    comps = [TailCompressor(TailConfig(seed=s, warmup_steps=0)) for s in (1, 2)]
+    for _ in range(30):
+        decoded = [c.decompress(c.compress({"w": torch.randn(65536, generator=gen)})) for c in comps]
+        for c in comps:
+            c.observe_peers(decoded)
+    r = comps[0].controller.policy.relative_noise("w")
+    assert r is not None and r == pytest.approx(1.0, abs=0.15)
+    comps[0].compress({"w": torch.randn(65536, generator=gen)})
+    stats = comps[0].last_stats[0]
+    tau = comps[0].controller.policy.tau("w", comps[0].step)
+    assert tau == pytest.approx(0.25 * r)
+    assert stats.rel_error <= tau
+    assert stats.bits == 3  # the smallest that fits: 2 bits (nu ~ 1.3) is far over budget

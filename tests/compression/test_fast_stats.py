@@ -1,0 +1,137 @@
+"""The fast counting pass for large layers (pairs.pair_level_stats_fast) and the own-payload
+shortcut (TailCompressor.decoded_last)."""
+
+import numpy as np
+import pytest
+import torch
+
+from tail_ray.compression import levelcode, pairs, sparse
+from tail_ray.compression.levelcode import Code
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.errors import CodecError
+
+N_LARGE = pairs.GAP_EXACT_NUMEL + 12345  # above the exact-gap size, odd tail on purpose
+
+
+def _levels(n: int, half: int, density: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lv = rng.integers(-half, half + 1, size=n).astype(np.int8)
+    lv[rng.random(n) >= density] = 0
+    return lv
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n", [N_LARGE, N_LARGE + 1])
+def test_fast_stats_exact_counts_and_pairs(bits: int, n: int) -> None:
+    half = levelcode.half_range(bits)
+    lv = _levels(n, half, 0.6, seed=bits + n)
+    c_ref = np.zeros(2 * half + 1, np.int64)
+    s_ref = np.zeros(sparse.N_SLOTS, np.int64)
+    nnz, extra, syms, pc = pairs.pair_level_stats(lv, half, c_ref, s_ref)
+    c = np.zeros_like(c_ref)
+    s = np.zeros_like(s_ref)
+    nnz_f, extra_f, syms_f, pc_f, exact = pairs.pair_level_stats_fast(lv, half, c, s)
+    assert not exact
+    assert nnz_f == nnz == np.count_nonzero(lv)
+    np.testing.assert_array_equal(c, c_ref)
+    np.testing.assert_array_equal(syms_f, syms)
+    np.testing.assert_array_equal(pc_f, pc)
+    # Sampled gap statistics: an estimate of the exact histogram (same total, close shares).
+    assert abs(int(s.sum()) - nnz) <= 0.02 * nnz
+    assert abs(extra_f - extra) <= 0.1 * extra + 64
+    np.testing.assert_allclose(s[:7] / s.sum(), s_ref[:7] / s_ref.sum(), atol=0.02)
+
+
+def test_fast_stats_small_layer_is_exact() -> None:
+    lv = _levels(5000, 3, 0.5, seed=1)
+    c = np.zeros(7, np.int64)
+    s = np.zeros(sparse.N_SLOTS, np.int64)
+    *_, exact = pairs.pair_level_stats_fast(lv, 3, c, s)
+    assert exact
+
+
+@pytest.mark.parametrize("bad", [-4, 4, -128, 127])
+def test_fast_stats_rejects_out_of_range_levels(bad: int) -> None:
+    lv = _levels(N_LARGE, 3, 0.5, seed=2)
+    lv[N_LARGE // 3] = bad
+    c = np.zeros(7, np.int64)
+    s = np.zeros(sparse.N_SLOTS, np.int64)
+    assert pairs.pair_level_stats_fast(lv, 3, c, s)[0] == -1
+    with pytest.raises(CodecError):
+        levelcode.encode_levels(lv, 3)
+
+
+def test_large_clustered_layer_goes_sparse_and_round_trips() -> None:
+    # Dead units: whole zero rows. The sampled estimate must still find the sparse code, and
+    # the sparse body (built from exact gap counts) must decode to the same levels.
+    rows, cols = 512, 512
+    lv = _levels(rows * cols, 3, 0.9, seed=3).reshape(rows, cols)
+    lv[np.random.default_rng(4).random(rows) < 0.8] = 0
+    lv = lv.reshape(-1)
+    code, nnz, body = levelcode.encode_levels(lv, 3)
+    assert code == Code.SPARSE_RANS
+    out = levelcode.decode_levels(code, np.frombuffer(body, np.uint8), lv.size, 3, nnz, layer="x")
+    np.testing.assert_array_equal(out, lv)
+    forced = levelcode.encode_levels(lv, 3, force=Code.SPARSE_RANS)
+    assert forced == (code, nnz, body)
+
+
+@pytest.mark.parametrize("density", [0.05, 0.6, 1.0])
+def test_large_layer_round_trips_every_code(density: float) -> None:
+    lv = _levels(N_LARGE, 7, density, seed=5)
+    for code in levelcode.candidate_codes(4, lv.size):
+        c, nnz, body = levelcode.encode_levels(lv, 4, force=code)
+        out = levelcode.decode_levels(c, np.frombuffer(body, np.uint8), lv.size, 4, nnz, layer="x")
+        np.testing.assert_array_equal(out, lv)
+
+
+def test_decoded_last_equals_decoding_the_payload() -> None:
+    rng = np.random.default_rng(6)
+    grads = {
+        "w": torch.from_numpy(rng.standard_normal(300_000).astype(np.float32)),
+        "b": torch.from_numpy(rng.standard_normal(100).astype(np.float32)),
+    }
+    comp = TailCompressor(TailConfig(seed=1))
+    assert comp.decoded_last() is None
+    for _ in range(2):
+        payload = comp.compress(grads)
+        own = comp.decoded_last()
+        assert own is not None
+        ref = TailCompressor().decompress(payload)
+        assert list(own) == list(ref)
+        for name in ref:
+            torch.testing.assert_close(own[name], ref[name], rtol=0, atol=0)
+        # Raw layers are copies: the hook overwrites the gradient they came from.
+        assert own["b"].data_ptr() != grads["b"].data_ptr()
+        assert comp.decoded_last() is None  # handed out once per compress
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_fast_level_stats_exact_counts_sampled_gaps(bits: int) -> None:
+    half = levelcode.half_range(bits)
+    lv = _levels(N_LARGE, half, 0.5, seed=bits)
+    c_ref = np.zeros(2 * half + 1, np.int64)
+    s_ref = np.zeros(sparse.N_SLOTS, np.int64)
+    nnz, extra = sparse.level_stats(lv, half, c_ref, s_ref)
+    c = np.zeros_like(c_ref)
+    s = np.zeros_like(s_ref)
+    nnz_f, extra_f, exact = pairs.level_stats_fast(lv, half, c, s)
+    assert not exact and nnz_f == nnz
+    np.testing.assert_array_equal(c, c_ref)
+    assert abs(int(s.sum()) - nnz) <= 0.02 * nnz
+    assert abs(extra_f - extra) <= 0.1 * extra + 64
+    lv[7] = half + 1 if half < 127 else -128  # outside [-L, L] (int8 -128 for bits 8)
+    assert pairs.level_stats_fast(lv, half, c, s)[0] == -1
+    with pytest.raises(CodecError):
+        levelcode.encode_levels(lv, bits)
+
+
+@pytest.mark.parametrize("bits", [6, 8])
+def test_large_wide_layer_round_trips_every_code(bits: int) -> None:
+    half = levelcode.half_range(bits)
+    for density in (0.02, 0.7):
+        lv = _levels(N_LARGE, half, density, seed=bits)
+        for code in (None, *levelcode.candidate_codes(bits, lv.size)):
+            c, nnz, body = levelcode.encode_levels(lv, bits, force=code)
+            out = levelcode.decode_levels(c, np.frombuffer(body, np.uint8), lv.size, bits, nnz, layer="x")
+            np.testing.assert_array_equal(out, lv)
