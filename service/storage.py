@@ -6,6 +6,12 @@ what was stored, and records are keyed by (job_id, seq) so a re-read batch is ig
 doubled. Migrations are code (``MIGRATIONS``), applied in order and tracked in
 ``PRAGMA user_version``.
 
+Read models: per-job running totals (``step_totals``, ``layer_totals``, ``job_world_sizes``)
+and each layer's / (step, rank)'s newest record (``layer_newest``, ``step_newest``) are kept
+by AFTER INSERT triggers, so they commit with the ingest transaction and count only records
+really inserted (a replayed record fires nothing). The read routes use them instead of
+aggregating every record of a job.
+
 Connections are opened per operation: SQLite makes that cheap, it is thread-safe for
 FastAPI's thread pool, and WAL lets readers run while the ingester writes.
 """
@@ -443,6 +449,13 @@ class Storage:
                 "UPDATE ingest_cursors SET drained = 1, updated_at = ? WHERE job_id = ?",
                 (time.time(), job_id),
             )
+
+    def ingest_version(self, job_id: str) -> tuple[Any, ...]:
+        """The job's cursor row as a tuple: it changes in every transaction that changes the
+        job's metrics (see service/read_cache.py)."""
+        with self._connect() as conn:
+            row = conn.execute("SELECT * FROM ingest_cursors WHERE job_id = ?", (job_id,)).fetchone()
+        return tuple(row) if row is not None else ()
 
     def ingest_state(self, job_id: str) -> dict[str, Any]:
         with self._connect() as conn:
