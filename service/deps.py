@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.ingester import Ingester
 from service.ray_client import RayGateway
+from service.read_cache import ReadCache
 from service.settings import Settings
 from service.storage import JobRow, Storage
 
@@ -27,6 +28,11 @@ def get_settings(request: Request) -> Settings:
 def get_storage(request: Request) -> Storage:
     storage: Storage = request.app.state.storage
     return storage
+
+
+def get_read_cache(request: Request) -> ReadCache:
+    cache: ReadCache = request.app.state.read_cache
+    return cache
 
 
 def get_ray(request: Request) -> RayGateway:
@@ -43,6 +49,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RayDep = Annotated[RayGateway, Depends(get_ray)]
 IngesterDep = Annotated[Ingester, Depends(get_ingester)]
+ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
 
 _bearer = HTTPBearer(auto_error=False, description="The service's API token (TAIL_RAY_API_TOKEN).")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -16,6 +16,7 @@ from service.errors import install_error_handlers
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
 from service.ray_client import RayGateway
+from service.read_cache import ReadCache
 from service.routers import health, jobs, metrics
 from service.settings import Settings
 from service.storage import Storage
@@ -30,6 +31,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.storage = Storage(settings.db_path)
+        app.state.read_cache = ReadCache()  # results keyed by each job's ingest state
         app.state.ray = RayGateway(settings)
         app.state.ingester = Ingester(settings, app.state.storage, app.state.ray)
         stop = asyncio.Event()

@@ -6,6 +6,12 @@ what was stored, and records are keyed by (job_id, seq) so a re-read batch is ig
 doubled. Migrations are code (``MIGRATIONS``), applied in order and tracked in
 ``PRAGMA user_version``.
 
+Read models: per-job running totals (``step_totals``, ``layer_totals``, ``job_world_sizes``)
+and each layer's / (step, rank)'s newest record (``layer_newest``, ``step_newest``) are kept
+by AFTER INSERT triggers, so they commit with the ingest transaction and count only records
+really inserted (a replayed record fires nothing). The read routes use them instead of
+aggregating every record of a job.
+
 Connections are opened per operation: SQLite makes that cheap, it is thread-safe for
 FastAPI's thread pool, and WAL lets readers run while the ingester writes.
 """
@@ -94,6 +100,105 @@ MIGRATIONS: tuple[str, ...] = (
         drained            INTEGER NOT NULL DEFAULT 0,
         updated_at         REAL NOT NULL
     );
+    """,
+    # 2: read models kept by triggers, so they change in the SAME transaction as each ingest
+    # page and only for rows really inserted (a replayed record hits ON CONFLICT DO NOTHING and
+    # fires nothing). The summary, layer and Prometheus routes read these few rows instead of
+    # aggregating every record of the job (80 ms per summary at 200k records). The backfill
+    # below computes the same aggregates from the records already stored.
+    """
+    CREATE TABLE layer_totals (
+        job_id      TEXT PRIMARY KEY,
+        ratio_sum   REAL NOT NULL,
+        ratio_count INTEGER NOT NULL
+    );
+    CREATE TABLE layer_newest (
+        job_id TEXT NOT NULL,
+        layer  TEXT NOT NULL,
+        step   INTEGER NOT NULL,
+        PRIMARY KEY (job_id, layer)
+    ) WITHOUT ROWID;
+    CREATE TABLE step_newest (
+        job_id         TEXT NOT NULL,
+        step           INTEGER NOT NULL,
+        rank           INTEGER NOT NULL,
+        seq            INTEGER NOT NULL,
+        raw_bytes      INTEGER NOT NULL,
+        bytes_sent     INTEGER NOT NULL,
+        bytes_received INTEGER NOT NULL,
+        PRIMARY KEY (job_id, step, rank)
+    ) WITHOUT ROWID;
+    CREATE TABLE step_totals (
+        job_id         TEXT PRIMARY KEY,
+        steps          INTEGER NOT NULL,
+        last_step      INTEGER,
+        raw_bytes      INTEGER NOT NULL,
+        bytes_sent     INTEGER NOT NULL,
+        bytes_received INTEGER NOT NULL
+    );
+    CREATE TABLE job_world_sizes (
+        job_id     TEXT NOT NULL,
+        world_size INTEGER NOT NULL,
+        PRIMARY KEY (job_id, world_size)
+    ) WITHOUT ROWID;
+
+    INSERT INTO layer_totals (job_id, ratio_sum, ratio_count)
+        SELECT job_id, TOTAL(ratio), COUNT(ratio) FROM layer_metrics GROUP BY job_id;
+    INSERT INTO layer_newest (job_id, layer, step)
+        SELECT job_id, layer, MAX(step) FROM layer_metrics GROUP BY job_id, layer;
+    INSERT INTO step_newest (job_id, step, rank, seq, raw_bytes, bytes_sent, bytes_received)
+        SELECT job_id, step, rank, seq, raw_bytes, bytes_sent, bytes_received FROM (
+            SELECT *, ROW_NUMBER() OVER (PARTITION BY job_id, step, rank ORDER BY seq DESC) AS rn
+            FROM step_metrics
+        ) WHERE rn = 1;
+    INSERT INTO step_totals (job_id, steps, last_step, raw_bytes, bytes_sent, bytes_received)
+        SELECT job_id, COUNT(DISTINCT step), MAX(step), SUM(raw_bytes), SUM(bytes_sent),
+               SUM(bytes_received)
+        FROM step_newest GROUP BY job_id;
+    INSERT INTO job_world_sizes (job_id, world_size)
+        SELECT DISTINCT job_id, world_size FROM step_metrics;
+
+    CREATE TRIGGER layer_metrics_read_model AFTER INSERT ON layer_metrics BEGIN
+        INSERT INTO layer_totals (job_id, ratio_sum, ratio_count)
+            VALUES (NEW.job_id, COALESCE(NEW.ratio, 0.0), NEW.ratio IS NOT NULL)
+            ON CONFLICT (job_id) DO UPDATE SET ratio_sum = ratio_sum + excluded.ratio_sum,
+                ratio_count = ratio_count + excluded.ratio_count;
+        INSERT INTO layer_newest (job_id, layer, step) VALUES (NEW.job_id, NEW.layer, NEW.step)
+            ON CONFLICT (job_id, layer) DO UPDATE SET step = excluded.step WHERE excluded.step > step;
+    END;
+
+    -- Per (step, rank) the newest record (highest seq) counts, as in the aggregating queries:
+    -- a rank that re-runs a step after a restart replaces its older record's bytes.
+    CREATE TRIGGER step_metrics_read_model AFTER INSERT ON step_metrics BEGIN
+        INSERT INTO job_world_sizes (job_id, world_size) VALUES (NEW.job_id, NEW.world_size)
+            ON CONFLICT DO NOTHING;
+        INSERT INTO step_totals (job_id, steps, last_step, raw_bytes, bytes_sent, bytes_received)
+            VALUES (NEW.job_id, 0, NULL, 0, 0, 0) ON CONFLICT DO NOTHING;
+        UPDATE step_totals SET
+            steps = steps + NOT EXISTS (
+                SELECT 1 FROM step_newest WHERE job_id = NEW.job_id AND step = NEW.step),
+            last_step = CASE WHEN last_step IS NULL OR NEW.step > last_step THEN NEW.step
+                             ELSE last_step END
+            WHERE job_id = NEW.job_id;
+        UPDATE step_totals SET
+            raw_bytes = raw_bytes + NEW.raw_bytes - COALESCE((SELECT o.raw_bytes FROM step_newest o
+                WHERE o.job_id = NEW.job_id AND o.step = NEW.step AND o.rank = NEW.rank), 0),
+            bytes_sent = bytes_sent + NEW.bytes_sent - COALESCE((SELECT o.bytes_sent FROM step_newest o
+                WHERE o.job_id = NEW.job_id AND o.step = NEW.step AND o.rank = NEW.rank), 0),
+            bytes_received = bytes_received + NEW.bytes_received - COALESCE((SELECT o.bytes_received
+                FROM step_newest o
+                WHERE o.job_id = NEW.job_id AND o.step = NEW.step AND o.rank = NEW.rank), 0)
+            WHERE job_id = NEW.job_id AND NOT EXISTS (SELECT 1 FROM step_newest o
+                WHERE o.job_id = NEW.job_id AND o.step = NEW.step AND o.rank = NEW.rank
+                AND o.seq > NEW.seq);
+        INSERT INTO step_newest (job_id, step, rank, seq, raw_bytes, bytes_sent, bytes_received)
+            VALUES (NEW.job_id, NEW.step, NEW.rank, NEW.seq, NEW.raw_bytes, NEW.bytes_sent,
+                    NEW.bytes_received)
+            ON CONFLICT (job_id, step, rank) DO UPDATE SET seq = excluded.seq,
+                raw_bytes = excluded.raw_bytes, bytes_sent = excluded.bytes_sent,
+                bytes_received = excluded.bytes_received
+            WHERE excluded.seq > seq;
+    END;
     """,
 )
 
@@ -345,9 +450,20 @@ class Storage:
                 (time.time(), job_id),
             )
 
-    def ingest_state(self, job_id: str) -> dict[str, Any]:
+    def ingest_version(self, job_id: str) -> tuple[Any, ...]:
+        """The job's cursor row as a tuple: it changes in every transaction that changes the
+        job's metrics (see service/read_cache.py)."""
         with self._connect() as conn:
             row = conn.execute("SELECT * FROM ingest_cursors WHERE job_id = ?", (job_id,)).fetchone()
+        return tuple(row) if row is not None else ()
+
+    def ingest_state(self, job_id: str) -> dict[str, Any]:
+        with self._connect() as conn:
+            return self._ingest_state(conn, job_id)
+
+    @staticmethod
+    def _ingest_state(conn: sqlite3.Connection, job_id: str) -> dict[str, Any]:
+        row = conn.execute("SELECT * FROM ingest_cursors WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:
             return {
                 "cursor_seq": 0,
@@ -393,7 +509,8 @@ class Storage:
         A rank that re-reports a step (after a restart) counts once: its newest record wins."""
         sql = """
         WITH newest AS (
-            SELECT layer, MAX(step) AS step FROM layer_metrics WHERE job_id = ? GROUP BY layer
+            -- kept by the layer_metrics trigger: one row per layer, no scan of the records
+            SELECT layer, step FROM layer_newest WHERE job_id = ?
         ), per_rank AS (
             SELECT m.*, ROW_NUMBER() OVER (PARTITION BY m.layer, m.rank ORDER BY m.seq DESC) AS rn
             -- newest drives the join and m is found through (job_id, layer, step): left to
@@ -460,24 +577,14 @@ class Storage:
         return None if row[0] is None else int(row[0])
 
     def summary(self, job_id: str) -> dict[str, Any]:
+        """Totals from the trigger-kept read models (``step_totals``, ``layer_totals``, ...):
+        a handful of rows, however many records the job has."""
         with self._connect() as conn:
-            tot = conn.execute(
-                """
-                WITH per_rank AS (
-                    SELECT *, ROW_NUMBER() OVER (PARTITION BY step, rank ORDER BY seq DESC) AS rn
-                    FROM step_metrics WHERE job_id = ?
-                )
-                SELECT COUNT(DISTINCT step) AS steps, MAX(step) AS last_step,
-                       COALESCE(SUM(raw_bytes), 0) AS raw_bytes, COALESCE(SUM(bytes_sent), 0) AS bytes_sent,
-                       COALESCE(SUM(bytes_received), 0) AS bytes_received
-                FROM per_rank WHERE rn = 1
-                """,
-                (job_id,),
-            ).fetchone()
+            tot = conn.execute("SELECT * FROM step_totals WHERE job_id = ?", (job_id,)).fetchone()
             sizes = [
                 int(r[0])
                 for r in conn.execute(
-                    "SELECT DISTINCT world_size FROM step_metrics WHERE job_id = ? ORDER BY 1", (job_id,)
+                    "SELECT world_size FROM job_world_sizes WHERE job_id = ? ORDER BY 1", (job_id,)
                 )
             ]
             loss_row = conn.execute(
@@ -485,25 +592,33 @@ class Storage:
                 "(SELECT MAX(step) FROM step_metrics WHERE job_id = ?)",
                 (job_id, job_id),
             ).fetchone()
-            layer_row = conn.execute(
-                "SELECT AVG(ratio), COUNT(DISTINCT layer) FROM layer_metrics WHERE job_id = ?", (job_id,)
+            ratios = conn.execute(
+                "SELECT ratio_sum, ratio_count FROM layer_totals WHERE job_id = ?", (job_id,)
             ).fetchone()
-        raw, sent = int(tot["raw_bytes"]), int(tot["bytes_sent"])
+            layers = conn.execute("SELECT COUNT(*) FROM layer_newest WHERE job_id = ?", (job_id,)).fetchone()[
+                0
+            ]
+            ingest = self._ingest_state(conn, job_id)
+        raw, sent = (int(tot["raw_bytes"]), int(tot["bytes_sent"])) if tot else (0, 0)
         return {
             "job_id": job_id,
-            "steps": int(tot["steps"]),
-            "last_step": None if tot["last_step"] is None else int(tot["last_step"]),
+            "steps": int(tot["steps"]) if tot else 0,
+            "last_step": None if tot is None or tot["last_step"] is None else int(tot["last_step"]),
             "world_sizes": sizes,
             "raw_bytes": raw,
             "bytes_sent": sent,
-            "bytes_received": int(tot["bytes_received"]),
+            "bytes_received": int(tot["bytes_received"]) if tot else 0,
             "traffic_saved_bytes": raw - sent,
             "traffic_saved_fraction": (raw - sent) / raw if raw else 0.0,
             "ratio": raw / sent if sent else 0.0,
-            "mean_layer_ratio": None if layer_row[0] is None else float(layer_row[0]),
+            "mean_layer_ratio": (
+                float(ratios["ratio_sum"]) / int(ratios["ratio_count"])
+                if ratios and ratios["ratio_count"]
+                else None
+            ),
             "last_loss": None if loss_row[0] is None else float(loss_row[0]),
-            "layers": int(layer_row[1]),
-            "ingest": self.ingest_state(job_id),
+            "layers": int(layers),
+            "ingest": ingest,
         }
 
 
@@ -540,4 +655,14 @@ def _job_row(row: sqlite3.Row) -> JobRow:
 
 
 def _statements(script: str) -> list[str]:
-    return [s.strip() for s in script.split(";") if s.strip()]
+    """Split a migration into statements; a trigger body's inner ``;`` does not end it."""
+    out, pending = [], ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \n;"):
+                out.append(pending.strip())
+            pending = ""
+    if pending.strip(" \n;"):
+        raise ValueError(f"incomplete SQL statement in a migration: {pending.strip()[:80]!r}")
+    return out

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from service.deps import IngesterDep, JobDep, SettingsDep, StorageDep, guard_reads
+from service.deps import IngesterDep, JobDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.prometheus import render_prometheus
 from service.schemas import LayerLatest, MetricsSummary, StepPoint, StepsPage
 from service.settings import Settings
@@ -24,28 +24,39 @@ AfterStep = Annotated[int, Query(ge=-1, le=2**53, description="Only steps greate
 
 
 @router.get("/layers", operation_id="get_layer_metrics")
-def get_layer_metrics(job: JobDep, storage: StorageDep) -> list[LayerLatest]:
+def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> list[LayerLatest]:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
-    return [LayerLatest(**row) for row in storage.latest_layers(job.id)]
+    return cache.get(
+        ("layers", job.id),
+        storage.ingest_version(job.id),
+        lambda: [LayerLatest(**row) for row in storage.latest_layers(job.id)],
+    )
 
 
 @router.get("/steps", operation_id="get_step_metrics")
 def get_step_metrics(
     job: JobDep,
     storage: StorageDep,
+    cache: ReadCacheDep,
     after_step: AfterStep = -1,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> StepsPage:
     """The per-step series, oldest first; page with ``next_after_step``."""
-    rows = storage.steps(job.id, after_step, limit)
-    next_after = rows[-1]["step"] if rows else after_step
-    return StepsPage(job_id=job.id, items=[StepPoint(**r) for r in rows], next_after_step=next_after)
+
+    def build() -> StepsPage:
+        rows = storage.steps(job.id, after_step, limit)
+        next_after = rows[-1]["step"] if rows else after_step
+        return StepsPage(job_id=job.id, items=[StepPoint(**r) for r in rows], next_after_step=next_after)
+
+    return cache.get(("steps", job.id, after_step, limit), storage.ingest_version(job.id), build)
 
 
 @router.get("/summary", operation_id="get_metrics_summary")
-def get_metrics_summary(job: JobDep, storage: StorageDep) -> MetricsSummary:
+def get_metrics_summary(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> MetricsSummary:
     """Totals: traffic raw vs sent, traffic saved, overall and mean per-layer ratio."""
-    return MetricsSummary(**storage.summary(job.id))
+    return cache.get(
+        ("summary", job.id), storage.ingest_version(job.id), lambda: MetricsSummary(**storage.summary(job.id))
+    )
 
 
 @router.get(

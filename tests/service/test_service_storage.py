@@ -138,3 +138,97 @@ def test_non_finite_floats_keep_their_record_as_null(tmp_path: Path) -> None:
     assert store.latest_layers("j1")[1]["rel_error"] is not None
     assert store.steps("j1", -1, 10)[0]["loss"] is None
     assert store.summary("j1")["last_loss"] is None
+
+
+def _recompute(path: Path, job_id: str) -> dict:
+    """The summary's totals and each layer's newest step, straight from the raw records."""
+    conn = sqlite3.connect(path)
+    steps = conn.execute(
+        "SELECT step, rank, seq, world_size, raw_bytes, bytes_sent, bytes_received FROM step_metrics"
+        " WHERE job_id = ?",
+        (job_id,),
+    ).fetchall()
+    layers = conn.execute(
+        "SELECT layer, step, ratio FROM layer_metrics WHERE job_id = ?", (job_id,)
+    ).fetchall()
+    conn.close()
+    newest: dict[tuple[int, int], tuple] = {}
+    for row in steps:
+        key = (row[0], row[1])
+        if key not in newest or row[2] > newest[key][2]:
+            newest[key] = row
+    ratios = [r[2] for r in layers if r[2] is not None]
+    newest_step: dict[str, int] = {}
+    for layer, step, _ in layers:
+        newest_step[layer] = max(step, newest_step.get(layer, step))
+    return {
+        "steps": len({s for s, _ in newest}),
+        "last_step": max((s for s, _ in newest), default=None),
+        "world_sizes": sorted({r[3] for r in steps}),
+        "raw_bytes": sum(r[4] for r in newest.values()),
+        "bytes_sent": sum(r[5] for r in newest.values()),
+        "bytes_received": sum(r[6] for r in newest.values()),
+        "mean_layer_ratio": sum(ratios) / len(ratios) if ratios else None,
+        "layers": len(newest_step),
+        "newest_step": newest_step,
+    }
+
+
+def _check_read_models(store: Storage, job_id: str) -> None:
+    expected = _recompute(store.path, job_id)
+    s = store.summary(job_id)
+    for key in ("steps", "last_step", "world_sizes", "raw_bytes", "bytes_sent", "bytes_received", "layers"):
+        assert s[key] == expected[key], key
+    if expected["mean_layer_ratio"] is None:
+        assert s["mean_layer_ratio"] is None
+    else:
+        assert s["mean_layer_ratio"] == pytest.approx(expected["mean_layer_ratio"], rel=1e-12)
+    assert {r["layer"]: r["step"] for r in store.latest_layers(job_id)} == expected["newest_step"]
+
+
+def _messy_ingest(store: Storage) -> None:
+    """Pages as a crashing, restarting ingester and a restarted training job produce them:
+    replays, a re-run step (newer seqs for old steps), a world-size change, a NULL ratio."""
+    first, last1 = _batch(step_records("j1", 0) + step_records("j1", 1) + step_records("j1", 2), 1)
+    first[0] = {**first[0], "ratio": float("nan")}
+    store.ingest("j1", IngestBatch(first, last1))
+    store.ingest("j1", IngestBatch(first, last1))  # replayed whole page: nothing counted twice
+    # The job restarts from step 1 at world size 1 (one rank re-runs steps 1 and 2).
+    rerun = step_records("j1", 1, ranks=1, ratio_scale=3) + step_records("j1", 2, ranks=1, ratio_scale=3)
+    rerun = [{**r, "world_size": 1} if r["type"] == "step" else r for r in rerun]
+    second, last2 = _batch(rerun + step_records("j1", 3, ranks=1), last1 + 1)
+    store.ingest("j1", IngestBatch(second[:5], second[4]["seq"]))
+    store.ingest("j1", IngestBatch(second, last2))  # overlaps the page before it
+    store.ingest("j1", IngestBatch(first[3:9], last1))  # a stale replay of an older page
+    assert store.seqs("j1") == list(range(1, last2 + 1))
+
+
+def test_running_totals_equal_a_recomputation_after_replays_and_reruns(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    _check_read_models(store, "j1")  # a job with no records yet
+    _messy_ingest(store)
+    _check_read_models(store, "j1")
+    s = store.summary("j1")
+    assert s["world_sizes"] == [1, 2] and s["steps"] == 4 and s["last_step"] == 3
+
+
+def test_migration_backfills_the_read_models_of_an_existing_database(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    _messy_ingest(store)
+    store.insert_job(job_id="j2", name="j2", source="api", status="RUNNING", entrypoint="x", spec=None)
+    before = (store.summary("j1"), store.latest_layers("j1"), store.summary("j2"))
+    # Turn the file back into a version-1 database: records only, no read models.
+    with sqlite3.connect(store.path) as conn:
+        for name in ("layer_metrics_read_model", "step_metrics_read_model"):
+            conn.execute(f"DROP TRIGGER {name}")
+        for name in ("layer_totals", "layer_newest", "step_newest", "step_totals", "job_world_sizes"):
+            conn.execute(f"DROP TABLE {name}")
+        conn.execute("PRAGMA user_version=1")
+    reopened = Storage(store.path)
+    assert reopened.schema_version() == len(MIGRATIONS)
+    _check_read_models(reopened, "j1")
+    assert (reopened.summary("j1"), reopened.latest_layers("j1"), reopened.summary("j2")) == before
+    # ... and the triggers keep them up to date from there on.
+    more, last = _batch(step_records("j1", 4, ranks=1), reopened.cursor("j1") + 1)
+    reopened.ingest("j1", IngestBatch(more, last))
+    _check_read_models(reopened, "j1")
