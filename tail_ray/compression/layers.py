@@ -9,7 +9,7 @@ import torch
 
 from tail_ray.compression.quantize import dequantize
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord
+from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord, encode_payload
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +74,18 @@ def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
             rest.append(rec)
     out.update(records_to_tensors(rest))
     return {rec.name: out[rec.name] for rec in records}
+
+
+def encode_with_stats(
+    records: list[LayerRecord], pending: list[tuple[float, int | None]]
+) -> tuple[bytes, list[LayerStats]]:
+    """Encode one step's records and pair each layer's wire cost with its (rel_error, nnz).
+
+    Shared by every record-producing compressor, so ``last_stats`` means the same for all.
+    """
+    payload, costs = encode_payload(records)
+    stats = [
+        layer_stats(rec, cost, err, nnz)
+        for rec, cost, (err, nnz) in zip(records, costs, pending, strict=True)
+    ]
+    return payload, stats

@@ -17,7 +17,13 @@ import torch
 
 from tail_ray.bitwidth.stats import relative_errors
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
+from tail_ray.compression.layers import (
+    as_flat_f32,
+    encode_with_stats,
+    raw_record,
+    records_to_flat,
+    warn_nonfinite,
+)
 from tail_ray.compression.quantize import (
     layer_seed,
     n_buckets,
@@ -26,7 +32,7 @@ from tail_ray.compression.quantize import (
 )
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
 
 # Elements sampled for the stats' estimated relative error (same estimator as Tail's controller).
@@ -66,11 +72,7 @@ class QSGDCompressor:
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = self.compress_records(grads)
-        payload, costs = encode_payload(records)
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
-        ]
+        payload, self._last = encode_with_stats(records, self._pending)
         return payload
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:

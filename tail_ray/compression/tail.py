@@ -29,7 +29,13 @@ import torch
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import as_flat_f32, layer_stats, raw_record, records_to_flat, warn_nonfinite
+from tail_ray.compression.layers import (
+    as_flat_f32,
+    encode_with_stats,
+    raw_record,
+    records_to_flat,
+    warn_nonfinite,
+)
 from tail_ray.compression.quantize import (
     layer_seed,
     n_buckets,
@@ -38,7 +44,7 @@ from tail_ray.compression.quantize import (
 )
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -186,12 +192,8 @@ class TailCompressor:
     # --- sending -------------------------------------------------------------------------
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = self.compress_records(grads)
-        payload, costs = encode_payload(records)
+        payload, self._last = encode_with_stats(records, self._pending)
         self._last_records = records
-        self._last = [
-            layer_stats(rec, cost, err, nnz)
-            for rec, cost, (err, nnz) in zip(records, costs, self._pending, strict=True)
-        ]
         return payload
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
