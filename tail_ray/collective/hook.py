@@ -68,6 +68,21 @@ def decode_all(compressor: object, payloads: list[bytes], own_rank: int) -> list
     ]
 
 
+def decode_average_into(
+    state: TailHookState,
+    payloads: list[bytes],
+    names: list[str],
+    grads: list[torch.Tensor],
+    own_rank: int,
+) -> None:
+    """Decode every rank's payload, show them to the controller, and write the mean of each
+    layer into ``grads`` (views of the bucket buffer, so this writes what DDP reads back)."""
+    decoded = decode_all(state.compressor, payloads, own_rank)
+    observe_peers(state, decoded)
+    for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
+        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+
+
 def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for the payload compressors; register with ``register_tail_hook``."""
     compressor = state.compressor
@@ -85,11 +100,7 @@ def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     payloads, traffic = all_gather_bytes(payload, state.process_group, device=bucket.buffer().device)
     exchanged = time.perf_counter()
 
-    decoded = decode_all(compressor, payloads, dist.get_rank(state.process_group))
-    observe_peers(state, decoded)
-    for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
-        # The gradient views alias the bucket buffer, so this writes what DDP reads back.
-        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+    decode_average_into(state, payloads, names, grads, dist.get_rank(state.process_group))
     decoded_at = time.perf_counter()
 
     state.record(
