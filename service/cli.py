@@ -294,6 +294,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "min_workers": args.workers, "max_workers": args.workers, "steps": args.steps,
                 "batch_size": 32, "lr": 0.05, "checkpoint_every_steps": args.steps, "max_failures": 0,
             }  # fmt: skip
+            if method == "tail":
+                # The demo shows what compression does. Its workers share this host, where the
+                # link-aware switch would (rightly) pick plain all-reduce: pin compression on.
+                spec["compression"] = {"link_aware": False}
             job = api.post("/v1/jobs", spec)
             print(f"submitted {job['id']} ({method}); watch it at {api.url}/#job={job['id']}")
             job = _follow(api, job["id"], method, args.steps)

@@ -101,7 +101,15 @@ def allreduce_peer_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.
     Each issues exactly one collective per bucket from DDP's calling thread, so the order is
     the same on every rank and the collective may stay asynchronous (overlapping backward).
     """
-    method = state.method
+    return cast_allreduce(state, bucket, state.method, _CODE[state.method])
+
+
+def cast_allreduce(
+    state: TailHookState, bucket: dist.GradBucket, method: str, code: str
+) -> torch.futures.Future[torch.Tensor]:
+    """One asynchronous all-reduce of ``bucket`` cast per ``method`` (none/fp16/bf16), with its
+    metrics; ``code`` names it in the per-layer records (the link-aware switch uses
+    "allreduce" so a plain step of a compressing method is told apart from method none)."""
     world_size = state.world_size
     dtype = _CAST_DTYPES[method]
     layers = [
@@ -113,7 +121,7 @@ def allreduce_peer_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.
             4 * g.numel(),
             g.numel() * _CAST_BITS[method] // 8,
             _cast_error(g, dtype, world_size),
-            _CODE[method],
+            code,
         )
         for name, g in _bucket_layers(state, bucket)
     ]

@@ -7,6 +7,10 @@ Per DDP bucket:
     average    the decoded gradients and write them into the bucket's gradient views
 and return an already-completed future, which is what DDP waits on.
 
+Unless plain all-reduce is faster on this link: the link-aware switch (gate.py) times whole
+steps in both modes and, while all-reduce wins, sends the step's buckets uncompressed
+(asynchronously, like method "none"), with the error-feedback residuals folded in.
+
 Why synchronous: DDP calls bucket hooks in bucket-index order on every rank, from one
 thread. If every collective is issued right here, before returning, every rank issues the
 same collectives in the same order whatever the timing. Chaining collectives in future
@@ -23,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tail_ray.collective.builtin import cast_allreduce
+from tail_ray.collective.gate import Mode
 from tail_ray.collective.state import TailHookState
 from tail_ray.collective.transport import all_gather_bytes
 from tail_ray.errors import CodecError
@@ -91,6 +97,14 @@ def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     params = bucket.parameters()
     grads = bucket.gradients()
     names = [state.name_of(p) for p in params]
+
+    if state.mode_for_bucket(bucket.index()) == Mode.ALLREDUCE:
+        # The link is faster than the codec (measured: see gate.py). What error feedback still
+        # owes rides along, so the switch loses nothing; the all-reduce stays asynchronous.
+        fold = getattr(compressor, "fold_residuals", None)
+        if callable(fold):
+            fold(dict(zip(names, grads, strict=True)))
+        return cast_allreduce(state, bucket, "none", "allreduce")
 
     start = time.perf_counter()
     payload = compressor.compress(dict(zip(names, grads, strict=True)))

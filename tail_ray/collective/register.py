@@ -26,6 +26,7 @@ from tail_ray.collective.builtin import (
     make_powersgd_state,
     powersgd_peer_hook,
 )
+from tail_ray.collective.gate import split_gate_settings
 from tail_ray.collective.hook import local_round_trip, tail_hook
 from tail_ray.collective.state import (
     ALLREDUCE_METHODS,
@@ -64,8 +65,11 @@ def make_hook_state(
     if method == POWERSGD_METHOD:
         ps = make_powersgd_state(settings, process_group)
         return TailHookState(method, model, settings=settings, powersgd=ps, process_group=process_group)
-    compressor = make_compressor(method, **settings)
-    return TailHookState(method, model, settings=settings, compressor=compressor, process_group=process_group)
+    compressor_settings, gate = split_gate_settings(settings)
+    compressor = make_compressor(method, **compressor_settings)
+    return TailHookState(
+        method, model, settings=settings, compressor=compressor, process_group=process_group, gate=gate
+    )
 
 
 def hook_for(method: str) -> Hook:
@@ -91,6 +95,12 @@ def register_tail_hook(
     ``method``: "none" (fp32 all-reduce), "fp16", "bf16" (PyTorch's cast hooks), "powersgd"
     (PyTorch's PowerSGD; config: rank, start_powerSGD_iter, ...), "qsgd", "topk", "tail"
     (config passed to ``make_compressor``). ``process_group`` None means the default group.
+
+    qsgd / topk / tail also take the link-aware switch's settings in ``config``:
+    ``link_aware`` (default true: a step goes by plain all-reduce while that is measured to be
+    faster, see tail_ray/collective/gate.py) and ``link_trial_steps``,
+    ``link_recheck_every_steps``, ``link_max_recheck_every_steps``, ``link_warmup_steps``,
+    ``link_abort_ratio``.
 
     World size 1 (no DDP wrapper): ``register_tail_hook(None, method, config, model=module)``
     registers nothing and returns the state for ``compress_gradients_locally`` (the same as

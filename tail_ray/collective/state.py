@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tail_ray.collective.gate import LinkGate, LinkGateConfig, Mode
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.stats import LayerStats
 from tail_ray.errors import ConfigError
@@ -140,6 +142,7 @@ class TailHookState:
         compressor: Compressor | None = None,
         powersgd: Any = None,
         process_group: dist.ProcessGroup | None = None,
+        gate: LinkGateConfig | None = None,
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"unknown compression method {method!r}; choose one of {list(METHODS)}")
@@ -157,6 +160,11 @@ class TailHookState:
         self.compressor = compressor
         self.powersgd = powersgd
         self.process_group = process_group
+        # The link-aware switch (payload compressors only): compressed or plain all-reduce,
+        # decided per step by measured step time. Not checkpointed: the link is re-measured.
+        self.gate_config = gate if gate is not None else LinkGateConfig()
+        self.gate = LinkGate(self.gate_config) if compressor is not None else None
+        self._step_mode = Mode.COMPRESS
         self._metrics = _Accumulator()
         # Local (world size 1) PowerSGD memory, keyed by parameter name.
         self.local_powersgd_q: dict[str, torch.Tensor] = {}
@@ -194,6 +202,25 @@ class TailHookState:
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group) if dist.is_initialized() else 1
+
+    # -- the link-aware switch -----------------------------------------------------------------
+
+    def mode_for_bucket(self, bucket_index: int) -> Mode:
+        """The mode of this bucket's exchange. Bucket 0 starts a step: the gate picks the mode
+        for the whole step (every bucket of a step goes the same way, on every rank)."""
+        if self.gate is None:
+            return Mode.COMPRESS
+        if bucket_index == 0:
+            self._step_mode = self.gate.begin_step(time.perf_counter(), self._agree_max)
+        return self._step_mode
+
+    def _agree_max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise max over the ranks (the slowest rank's view), so all ranks decide alike."""
+        from tail_ray.collective.transport import collective_device
+
+        t = torch.tensor(list(values), dtype=torch.float64, device=collective_device(self.process_group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return [float(v) for v in t.tolist()]
 
     # -- metrics -------------------------------------------------------------------------------
 
@@ -276,7 +303,9 @@ class TailHookState:
         the default process group, which a process that only reads a checkpoint lacks.
         """
         out = {
-            k: v for k, v in self.__dict__.items() if k not in ("process_group", "_metrics", "param_names")
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("process_group", "_metrics", "param_names", "gate")
         }
         if self.powersgd is not None:
             out["powersgd"] = {
@@ -290,6 +319,10 @@ class TailHookState:
         self.__dict__.update(state)
         self.process_group = None  # the default group; set another one after loading if needed
         self._metrics = _Accumulator()
+        # A fresh gate: the link and this process's clock are measured again.
+        self.gate_config = state.get("gate_config", LinkGateConfig())
+        self.gate = LinkGate(self.gate_config) if self.compressor is not None else None
+        self._step_mode = Mode.COMPRESS
         self.param_names = {}  # call bind(model): ids of parameters do not cross processes
         if isinstance(self.powersgd, dict):
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 
 
 class ErrorFeedback:
@@ -46,6 +47,17 @@ class ErrorFeedback:
         """e <- compensated - decoded: what this step failed to send."""
         e = self.buffer(name, compensated.size)
         np.subtract(compensated, decoded, out=e)
+
+    def fold_into(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """g <- g + e in place and forget e, for layers sent WITHOUT compression this step.
+
+        When the hook sends a step by plain all-reduce (the link-aware switch), what earlier
+        steps still owed is delivered with it, so nothing is lost across the switch.
+        """
+        for name, g in grads.items():
+            e = self._residuals.pop(name, None)
+            if e is not None and e.size == g.numel():
+                g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
 
     def reset(self, name: str | None = None) -> None:
         if name is None:

@@ -129,6 +129,10 @@ class QSGDCompressor:
         """The engine's part of ``decompress``: dequantize decoded records."""
         return records_to_flat(records)
 
+    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Add each layer's residual into its gradient (in place) and clear it: see ErrorFeedback."""
+        self.feedback.fold_into(grads)
+
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}
 

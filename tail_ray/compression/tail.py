@@ -318,6 +318,13 @@ class TailCompressor:
             # 1000x another's for a step.
             policy.observe_spread(name, spread, compression, mean_sq - compression)
 
+    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Add each layer's residual into its gradient (in place) and clear it: the hook calls
+        this for a step it sends by plain all-reduce (see tail_ray/collective/gate.py)."""
+        self.feedback.fold_into(grads)
+        for name in grads:
+            self._residual_sq.pop(name, None)
+
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Controller state and residuals, keyed by layer name."""

@@ -106,9 +106,10 @@ def test_corrupted_payload_fails_the_step_with_codec_error_on_every_rank(tmp_pat
     try:
         run_local_group(_worker, 2, (tmp_path, mode), timeout_s=COLLECTIVE_TIMEOUT_S)
     except ProcessExitedException as exc:
-        # gloo may abort the sender's process outright when its peer vanished mid-collective:
-        # a crash, not a hang, which is all a supervisor (Ray Train) needs.
-        assert exc.error_index == 1, exc
+        # gloo may abort a process outright when its peer vanished mid-collective: the sender,
+        # or the receiver at teardown (after it saved its outcome: loaded and checked below).
+        # A crash, not a hang, which is all a supervisor (Ray Train) needs.
+        assert exc.error_index in (0, 1), exc
     wall_s = time.monotonic() - t0
     assert wall_s < COLLECTIVE_TIMEOUT_S, f"the group took {wall_s:.1f} s: something waited for the timeout"
     sender_file = tmp_path / "rank1.pt"

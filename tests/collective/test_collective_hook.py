@@ -238,6 +238,76 @@ def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(sce
         assert met.bytes_sent < met.raw_bytes
 
 
+# -- the link-aware switch: both modes, the same choices on both ranks ---------------------------
+
+GATE_SETTINGS = {
+    "link_warmup_steps": 1,
+    "link_trial_steps": 2,
+    "link_recheck_every_steps": 3,
+    "link_max_recheck_every_steps": 6,
+    "raw_below_numel": 1024,
+}
+GATE_STEPS = 24
+
+
+def _gate_worker(rank, world_size, out_dir):
+    plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    state = register_tail_hook(hooked, "tail", GATE_SETTINGS)
+    steps = []
+    for step in range(GATE_STEPS):  # no optimizer step: same weights, so plain DDP is the reference
+        x, y = _batch(rank, step)
+        for m in (plain, hooked):
+            m.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+        steps.append(
+            {
+                "plain": _grads(plain.module),
+                "hooked": _grads(hooked.module),
+                "metrics": state.drain_metrics(),
+                "residuals": state.compressor.feedback.names(),
+            }
+        )
+    torch.save({"steps": steps, "decisions": state.gate.decisions}, out_dir / f"rank{rank}.pt")
+
+
+def test_link_switch_makes_the_same_choices_on_every_rank_and_plain_steps_are_exact(scenarios):
+    ranks = [torch.load(scenarios / "gate" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    modes = [
+        [
+            "allreduce" if all(s.code == "allreduce" for s in st["metrics"].layers) else "compress"
+            for st in r["steps"]
+        ]
+        for r in ranks
+    ]
+    assert modes[0] == modes[1]
+    # The start: one warm-up + two timed compressed steps, then an all-reduce trial. Timing on
+    # this machine decides the rest, but every rank agreed on it (else gloo would have failed).
+    assert modes[0][:4] == ["compress", "compress", "compress", "allreduce"]
+    assert ranks[0]["decisions"] == ranks[1]["decisions"] and len(ranks[0]["decisions"]) >= 2
+    raw_bytes = 4 * sum(p.numel() for p in _model().parameters())
+    for step, mode in enumerate(modes[0]):
+        st = ranks[0]["steps"][step]
+        met = st["metrics"]
+        if mode == "compress":
+            assert met.bytes_sent < raw_bytes // 4, step
+            continue
+        # Plain steps: asynchronous all-reduce, ring traffic, and no residual left behind.
+        assert st["residuals"] == [], step
+        assert abs(met.bytes_sent - ring_allreduce_bytes(raw_bytes, 2)) <= 64, step
+        if modes[0][step - 1] == "allreduce":
+            # Nothing owed from compressed steps: exactly plain DDP's gradient.
+            for name, g in st["plain"].items():
+                torch.testing.assert_close(st["hooked"][name], g, rtol=1e-6, atol=1e-7)
+        else:
+            # The first plain step also delivers what error feedback owed: not plain DDP's.
+            assert any(not torch.allclose(st["hooked"][n], g) for n, g in st["plain"].items())
+        for name in st["hooked"]:
+            torch.testing.assert_close(
+                st["hooked"][name], ranks[1]["steps"][step]["hooked"][name], rtol=0, atol=0
+            )
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 
@@ -320,6 +390,7 @@ SCENARIOS = {
     "many_buckets": (_many_buckets_worker, ()),
     "tail8": (_tail8_worker, ()),
     "pickle": (_pickle_worker, ()),
+    "gate": (_gate_worker, ()),
 }
 
 
