@@ -36,6 +36,9 @@ def _entry(
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
+        # Leave together: a rank tearing its group down while the other still has gloo work
+        # in flight with it can make gloo std::terminate that process (seen as SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
