@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import torch
 
-from tail_ray.compression.quantize import dequantize
+from tail_ray.compression.quantize import bucket_steps, dequantize
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord, encode_payload
 
@@ -74,6 +74,18 @@ def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
             rest.append(rec)
     out.update(records_to_tensors(rest))
     return {rec.name: out[rec.name] for rec in records}
+
+
+def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
+    """``records_to_flat([rec])[rec.name][::stride]`` without decoding the other elements:
+    a quantized layer dequantizes only the sampled levels (same float32 products)."""
+    if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
+        at = np.arange(0, rec.numel, stride)
+        steps = bucket_steps(rec.scales, rec.bits)[at // rec.bucket_size]
+        return torch.from_numpy(rec.levels.reshape(-1)[::stride].astype(np.float32) * steps)
+    if rec.kind in (Kind.RAW_F32, Kind.RAW_F16) and rec.values is not None:
+        return torch.from_numpy(np.ascontiguousarray(rec.values.reshape(-1)[::stride], dtype=np.float32))
+    return records_to_flat([rec])[rec.name][::stride]
 
 
 def encode_with_stats(
