@@ -341,9 +341,12 @@ def mean_dequantized_into(
     ``out`` (float32, numel long) in one pass, with no per-rank float32 array: bit-identical to
     dequantizing each rank, summing in rank order and dividing by the number of ranks.
 
-    The caller has checked that every ``levels_r`` has ``out.size`` elements and that the scales
-    cover them (``wire.decode_payload`` does, for received payloads).
+    Sizes are checked here (the kernel does no bounds checks): every ``levels_r`` must have
+    ``out.size`` elements and ``scales_r`` one scale per bucket; a ValueError otherwise.
     """
     lv = tuple(np.ascontiguousarray(x, dtype=np.int8).reshape(-1) for x in levels)
     st = tuple(bucket_steps(s, b) for s, b in zip(scales, bits, strict=True))
+    for x, s, bs in zip(lv, st, bucket_sizes, strict=True):
+        if x.size != out.size or bs < 1 or s.size != n_buckets(out.size, bs):
+            raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {out.size} elements")
     _mean_dequantized_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), out)

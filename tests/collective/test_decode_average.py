@@ -148,3 +148,14 @@ def test_other_compressors_equal_decoding_everything(method: str) -> None:
     decode_average_into(SimpleNamespace(compressor=comps[0]), payloads, names, grads, 0)  # type: ignore[arg-type]
     for name, g in zip(names, grads, strict=True):
         np.testing.assert_array_equal(_bits(g), _bits(want[name]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gradients_on_a_gpu_get_the_same_mean() -> None:
+    comps, payloads = _payloads(2)
+    names = list(SIZES)
+    want = average_decoded(names, [TailCompressor().decompress(p) for p in payloads])
+    grads = [torch.zeros(SIZES[n], device="cuda") for n in names]
+    decode_average_into(SimpleNamespace(compressor=comps[0]), payloads, names, grads, 0)  # type: ignore[arg-type]
+    for name, g in zip(names, grads, strict=True):
+        np.testing.assert_array_equal(_bits(g.cpu()), _bits(want[name]))

@@ -184,3 +184,14 @@ def test_sampled_dequantization_equals_full_dequantization():
         full = records_to_flat([r])[r.name]
         for stride in (1, 4, 17):
             np.testing.assert_array_equal(sample_flat(r, stride).numpy(), full[::stride].numpy())
+
+
+def test_fused_mean_checks_sizes_before_the_unchecked_kernel():
+    out = np.empty(1000, np.float32)
+    lv = np.zeros(1000, np.int8)
+    with pytest.raises(ValueError, match="levels"):
+        mean_dequantized_into([lv, lv[:999]], [np.ones(2, np.float32)] * 2, [3, 3], [512, 512], out)
+    with pytest.raises(ValueError, match="scales"):
+        mean_dequantized_into(
+            [lv, lv], [np.ones(2, np.float32), np.ones(1, np.float32)], [3, 3], [512, 512], out
+        )
