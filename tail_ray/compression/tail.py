@@ -34,7 +34,7 @@ from tail_ray.compression.layers import (
     encode_with_stats,
     raw_record,
     records_to_flat,
-    sample_flat,
+    sample_stack,
     warn_nonfinite,
 )
 from tail_ray.compression.quantize import (
@@ -309,17 +309,21 @@ class TailCompressor:
         mean ||d_i||^2 less that same compression part: the relative SGD noise (see
         BudgetPolicy.relative_noise).
         """
-        self._observe_sampled(decoded_by_rank, lambda t, stride: t.reshape(-1)[::stride], lambda t: t.numel())
+        self._observe_sampled(
+            decoded_by_rank,
+            lambda ts, stride: torch.stack([t.reshape(-1)[::stride] for t in ts]).double(),
+            lambda t: t.numel(),
+        )
 
     def observe_peer_records(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
         """``observe_peers`` on records (decoded payloads before dequantization): the same
         statistics, from the same strided sample, but only the sampled elements are dequantized."""
-        self._observe_sampled(records_by_rank, sample_flat, lambda rec: rec.numel)
+        self._observe_sampled(records_by_rank, sample_stack, lambda rec: rec.numel)
 
     def _observe_sampled(
         self,
         by_rank: Sequence[Mapping[str, Any]],
-        sample: Callable[[Any, int], torch.Tensor],
+        stack_of: Callable[[list[Any], int], torch.Tensor],
         numel_of: Callable[[Any], int],
     ) -> None:
         world = len(by_rank)
@@ -332,7 +336,8 @@ class TailCompressor:
                 continue
             stride = max(1, numel // _SPREAD_SAMPLE_NUMEL)
             try:
-                stack = torch.stack([sample(d[name], stride) for d in by_rank]).double()
+                # (world, n_sample) float64: every rank's layer at the same strided positions.
+                stack = stack_of([d[name] for d in by_rank], stride)
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue

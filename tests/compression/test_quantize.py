@@ -165,7 +165,9 @@ def test_fused_mean_equals_dequantize_sum_divide_bit_for_bit(bucket_sizes):
 
 
 def test_sampled_dequantization_equals_full_dequantization():
-    from tail_ray.compression.layers import records_to_flat, sample_flat
+    import torch
+
+    from tail_ray.compression.layers import records_to_flat, sample_flat, sample_stack
     from tail_ray.compression.wire import Kind, LayerRecord
 
     rng = np.random.default_rng(12)
@@ -184,6 +186,19 @@ def test_sampled_dequantization_equals_full_dequantization():
         full = records_to_flat([r])[r.name]
         for stride in (1, 4, 17):
             np.testing.assert_array_equal(sample_flat(r, stride).numpy(), full[::stride].numpy())
+    other = LayerRecord(
+        "w",
+        n,
+        Kind.QUANT,
+        bits=6,
+        bucket_size=100,
+        scales=rng.random(n_buckets(n, 100)).astype(np.float32),
+        levels=rng.integers(-31, 32, n).astype(np.int8),
+    )
+    for recs in ([rec, other], [rec, raw]):  # the numba path, and the mixed fallback
+        full = torch.stack([records_to_flat([r])[r.name] for r in recs]).double()
+        for stride in (1, 4, 17):
+            np.testing.assert_array_equal(sample_stack(recs, stride).numpy(), full[:, ::stride].numpy())
 
 
 def test_fused_mean_checks_sizes_before_the_unchecked_kernel():
