@@ -5,6 +5,8 @@ Per DDP bucket:
     exchange   payloads of different sizes between ranks (transport.all_gather_bytes)
     decode     every rank's payload (any compressor instance decodes any payload)
     average    the decoded gradients and write them into the bucket's gradient views
+               (quantized layers go from levels and scales to the mean in one pass, with no
+               per-rank float32 copy: ``average_records_into``)
 and return an already-completed future, which is what DDP waits on.
 
 Unless plain all-reduce is faster on this link: the link-aware switch (gate.py) times whole
@@ -24,6 +26,7 @@ does not overlap the rest of backward; the payload is small, which is the point.
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +34,9 @@ from tail_ray.collective.builtin import cast_allreduce
 from tail_ray.collective.gate import Mode
 from tail_ray.collective.state import TailHookState
 from tail_ray.collective.transport import all_gather_bytes
+from tail_ray.compression.layers import records_to_flat
+from tail_ray.compression.quantize import mean_dequantized_into
+from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import CodecError
 
 
@@ -82,11 +88,82 @@ def decode_average_into(
     own_rank: int,
 ) -> None:
     """Decode every rank's payload, show them to the controller, and write the mean of each
-    layer into ``grads`` (views of the bucket buffer, so this writes what DDP reads back)."""
-    decoded = decode_all(state.compressor, payloads, own_rank)
-    observe_peers(state, decoded)
-    for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
-        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+    layer into ``grads`` (views of the bucket buffer, so this writes what DDP reads back).
+
+    Compressors that hand out records (``decode_records``; ``records_last`` for this rank's
+    own) take the fused path (``average_records_into``); any other decodes to tensors first.
+    """
+    compressor = state.compressor
+    decode_records = getattr(compressor, "decode_records", None)
+    if not callable(decode_records):
+        decoded = decode_all(compressor, payloads, own_rank)
+        observe_peers(state, decoded)
+        for g, mean in zip(grads, average_decoded(names, decoded).values(), strict=True):
+            g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
+        return
+    own = getattr(compressor, "records_last", None)
+    mine = own() if callable(own) else None
+    records_by_rank = [
+        {rec.name: rec for rec in (mine if rank == own_rank and mine is not None else decode_records(p))}
+        for rank, p in enumerate(payloads)
+    ]
+    # Before the averages are written: this rank's raw records alias its gradients.
+    observe = getattr(compressor, "observe_peer_records", None)
+    if callable(observe):
+        observe(records_by_rank)
+    elif callable(getattr(compressor, "observe_peers", None)):
+        observe_peers(state, [records_to_flat(list(by_name.values())) for by_name in records_by_rank])
+    average_records_into(names, records_by_rank, grads)
+
+
+def average_records_into(
+    names: list[str], records_by_rank: list[dict[str, LayerRecord]], grads: list[torch.Tensor]
+) -> None:
+    """Write the mean over ranks of each named layer into its gradient, bit-identical to
+    ``average_decoded`` (+ ``copy_``) on the decoded tensors.
+
+    A layer quantized on every rank is dequantized, summed and divided in one numba pass
+    (``mean_dequantized_into``), straight into the gradient when it is CPU fp32 contiguous;
+    any other layer (raw, sparse, or a mix, e.g. one rank sent a non-finite layer raw) is
+    decoded to tensors and averaged as before. Every layer is checked before anything is
+    written: a payload missing a layer or sized differently from its gradient is a CodecError.
+    """
+    world_size = len(records_by_rank)
+    layers: list[list[LayerRecord]] = []
+    for name, g in zip(names, grads, strict=True):
+        recs = []
+        for rank, by_name in enumerate(records_by_rank):
+            rec = by_name.get(name)
+            if rec is None:
+                raise CodecError(f"rank {rank}'s payload lacks this layer", layer=name, field="name")
+            if rec.numel != g.numel():
+                raise CodecError(
+                    f"rank {rank}'s payload has {rec.numel} elements, the gradient {g.numel()}",
+                    layer=name,
+                    field="numel",
+                )
+            recs.append(rec)
+        layers.append(recs)
+    for g, recs in zip(grads, layers, strict=True):
+        if all(r.kind == Kind.QUANT and r.levels is not None and r.scales is not None for r in recs):
+            direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
+            out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
+            mean_dequantized_into(
+                [r.levels for r in recs],  # type: ignore[misc]
+                [r.scales for r in recs],  # type: ignore[misc]
+                [r.bits for r in recs],
+                [r.bucket_size for r in recs],
+                out,
+            )
+            if not direct:
+                g.copy_(torch.from_numpy(out).view(g.shape))
+            continue
+        total: torch.Tensor | None = None
+        for rec in recs:
+            t = records_to_flat([rec])[rec.name]
+            total = t.clone() if total is None else total.add_(t)
+        assert total is not None  # world_size >= 1
+        g.copy_(total.div_(world_size).view(g.shape).to(device=g.device, dtype=g.dtype))
 
 
 def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

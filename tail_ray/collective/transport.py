@@ -68,10 +68,13 @@ def all_gather_bytes(
     lengths = [int(s.item()) for s in sizes]
     padded = max(lengths)
 
-    # Zero-copy view of the payload on CPU, then one copy into the padded send buffer.
-    send = torch.zeros(padded, dtype=torch.uint8, device=dev)
-    if payload:
-        send[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    # One copy of the payload, straight into the padded send buffer (numpy reads the bytes in
+    # place; torch.frombuffer would need a writable copy first), and only the padding zeroed.
+    n = len(payload)
+    send_np = np.empty(padded, dtype=np.uint8)
+    send_np[:n] = np.frombuffer(payload, dtype=np.uint8)
+    send_np[n:] = 0
+    send = torch.from_numpy(send_np).to(dev)
     recv = [torch.empty(padded, dtype=torch.uint8, device=dev) for _ in range(world_size)]
     dist.all_gather(recv, send, group=group)
 

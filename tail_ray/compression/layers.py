@@ -6,8 +6,9 @@ import logging
 
 import numpy as np
 import torch
+from numba import njit
 
-from tail_ray.compression.quantize import dequantize
+from tail_ray.compression.quantize import bucket_steps, dequantize, levels_max, n_buckets
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord, encode_payload
 
@@ -74,6 +75,52 @@ def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
             rest.append(rec)
     out.update(records_to_tensors(rest))
     return {rec.name: out[rec.name] for rec in records}
+
+
+def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
+    """``records_to_flat([rec])[rec.name][::stride]`` without decoding the other elements:
+    a quantized layer dequantizes only the sampled levels (same float32 products)."""
+    if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
+        at = np.arange(0, rec.numel, stride)
+        steps = bucket_steps(rec.scales, rec.bits)[at // rec.bucket_size]
+        return torch.from_numpy(rec.levels.reshape(-1)[::stride].astype(np.float32) * steps)
+    if rec.kind in (Kind.RAW_F32, Kind.RAW_F16) and rec.values is not None:
+        return torch.from_numpy(np.ascontiguousarray(rec.values.reshape(-1)[::stride], dtype=np.float32))
+    return records_to_flat([rec])[rec.name][::stride]
+
+
+@njit(cache=True, nogil=True)
+def _sample_dequantized(levels, scales, inv_lmax, bucket_size, stride, out):  # type: ignore[no-untyped-def]
+    """out[j] = float64(float32(levels[i]) * (scales[b] * inv_lmax)), i = j * stride, b = i // bucket:
+    the float32 product ``dequantize`` makes (no fastmath here), widened as ``.double()`` does."""
+    for j in range(out.size):
+        i = j * stride
+        out[j] = np.float64(np.float32(levels[i]) * (scales[i // bucket_size] * inv_lmax))
+
+
+def sample_stack(records: list[LayerRecord], stride: int) -> torch.Tensor:
+    """``torch.stack([sample_flat(r, stride) for r in records]).double()``: observe_peers' sample.
+
+    One numba call per rank, straight into the float64 matrix, when every record is quantized
+    and of one size (the hot path); otherwise exactly that expression, which raises
+    RuntimeError for records of different sizes (the caller skips such a layer).
+    """
+    if len({r.numel for r in records}) == 1 and all(
+        r.kind == Kind.QUANT
+        and r.levels is not None
+        and r.scales is not None
+        and r.bucket_size >= 1
+        and r.levels.size == r.numel  # the kernel does no bounds checks
+        and r.scales.size == n_buckets(r.numel, r.bucket_size)
+        for r in records
+    ):
+        out = np.empty((len(records), len(range(0, records[0].numel, stride))), dtype=np.float64)
+        for row, r in zip(out, records, strict=True):
+            assert r.levels is not None and r.scales is not None
+            inv = np.float32(1.0) / np.float32(levels_max(r.bits))
+            _sample_dequantized(r.levels.reshape(-1), r.scales, inv, r.bucket_size, stride, row)
+        return torch.from_numpy(out)
+    return torch.stack([sample_flat(r, stride) for r in records]).double()
 
 
 def encode_with_stats(

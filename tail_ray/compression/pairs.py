@@ -268,6 +268,68 @@ def pair_level_stats_fast(
     return nnz, extra, syms, pc, False
 
 
+# Above this share of non-zero levels (about where the two cost the same, measured) the gap
+# windows are counted without a branch per level (``_gap_window_dense``): at 30-70 % density
+# the branch on "non-zero?" mispredicts about every other level, which made the sampled gap
+# count the slowest part of encoding (0.5 -> 0.18 ms per 1M levels at 3 bits).
+DENSE_GAP_SHARE = 0.18
+
+
+@njit(cache=True, nogil=True)
+def _gap_window_dense(levels, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """``_gap_window`` (same counts, same result) for dense layers: small gaps counted branch-free
+    in four sub-histograms (lane k of each group of four; slot 7 takes zeros and large gaps, and
+    is ignored), large gaps re-counted exactly in the rare group that has one."""
+    j = lo
+    while j < hi and levels[j] == 0:
+        j += 1
+    if j >= hi:
+        return 0, 0
+    last = j
+    counted = 0
+    extra = 0
+    gg = np.zeros((4, 8), dtype=np.int64)
+    start = last + 1
+    end4 = start + ((hi - start) & ~3)
+    for i in range(start, end4, 4):
+        last_in = last
+        big = False
+        for k in range(4):
+            jj = i + k
+            nz = levels[jj] != 0
+            u = jj - last
+            t = u - 1 if u < 8 else 7
+            gg[k, t if nz else 7] += 1
+            big |= nz & (u >= 8)
+            last = jj if nz else last
+        if big:
+            last = last_in
+            for jj in range(i, i + 4):
+                if levels[jj] != 0:
+                    if jj - last >= 8:
+                        sl, nx, _ = _slot(jj - last)
+                        slot_counts[sl] += 1
+                        extra += nx
+                        counted += 1
+                    last = jj
+    for jj in range(end4, hi):
+        if levels[jj] != 0:
+            u = jj - last
+            if u < 8:
+                g[u - 1] += 1
+            else:
+                sl, nx, _ = _slot(u)
+                slot_counts[sl] += 1
+                extra += nx
+            counted += 1
+            last = jj
+    for t in range(7):
+        small = gg[0, t] + gg[1, t] + gg[2, t] + gg[3, t]
+        g[t] += small
+        counted += small
+    return counted, extra
+
+
 @njit(cache=True, nogil=True)
 def sampled_gaps(levels: np.ndarray, nnz: int, slot_counts: np.ndarray) -> int:  # pragma: no cover - jit
     """Fill ``slot_counts`` with the gap-slot histogram of the non-zeros estimated from evenly
@@ -280,8 +342,12 @@ def sampled_gaps(levels: np.ndarray, nnz: int, slot_counts: np.ndarray) -> int: 
     counted = 0
     extra = 0
     step = GAP_WINDOW * GAP_SAMPLE_EVERY
+    dense = nnz > DENSE_GAP_SHARE * n  # which counter is faster; both count the same
     for lo in range((n % step) // 2, n, step):  # evenly spaced windows
-        c, e = _gap_window(levels, lo, min(n, lo + GAP_WINDOW), slot_counts, g)
+        if dense:
+            c, e = _gap_window_dense(levels, lo, min(n, lo + GAP_WINDOW), slot_counts, g)
+        else:
+            c, e = _gap_window(levels, lo, min(n, lo + GAP_WINDOW), slot_counts, g)
         counted += c
         extra += e
     for t in range(7):

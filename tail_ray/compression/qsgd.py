@@ -65,6 +65,7 @@ class QSGDCompressor:
         self._calls = 0
         self._last: list[LayerStats] = []
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
+        self._last_records: list[LayerRecord] | None = None  # what the last ``compress`` sent
 
     @property
     def last_stats(self) -> list[LayerStats]:
@@ -73,7 +74,18 @@ class QSGDCompressor:
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = self.compress_records(grads)
         payload, self._last = encode_with_stats(records, self._pending)
+        self._last_records = records
         return payload
+
+    def records_last(self) -> list[LayerRecord] | None:
+        """The last ``compress`` call's records, handed out once (see TailCompressor.records_last)."""
+        records, self._last_records = self._last_records, None
+        return records
+
+    @staticmethod
+    def decode_records(payload: bytes) -> list[LayerRecord]:
+        """Any peer's payload to records (what the hook's fused decode-average reads)."""
+        return decode_payload(payload)
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
         """The engine's part of ``compress`` (everything but the wire's encoding)."""

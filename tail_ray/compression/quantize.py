@@ -263,13 +263,13 @@ def quantize_ef(
 def _dequantize_core(levels, scales, bucket_size, lmax, out):  # type: ignore[no-untyped-def]
     n = levels.size
     nb = (n + bucket_size - 1) // bucket_size
-    lf = np.float32(lmax)
+    inv = np.float32(1.0) / np.float32(lmax)
     for k in range(nb):
         lo = k * bucket_size
         hi = min(n, lo + bucket_size)
-        # Same float32 expression as the quantizer's residual update, so decoded + residual
-        # reproduces the compensated gradient to one rounding.
-        step = scales[k] / lf
+        # scale * (1 / L), written out: it is what fastmath made of the former scale / L (so
+        # decoded values are unchanged), and ``mean_dequantized_into`` must reproduce it exactly.
+        step = scales[k] * inv
         lb = levels[lo:hi]
         ob = out[lo:hi]
         for i in range(lb.size):
@@ -281,3 +281,72 @@ def dequantize(levels: np.ndarray, scales: np.ndarray, bits: int, bucket_size: i
     out = np.empty(levels.size, np.float32)
     _dequantize_core(levels, scales.astype(np.float32, copy=False), bucket_size, levels_max(bits), out)
     return out
+
+
+# Elements the fused mean works on at a time: its float32 accumulator stays in L1.
+_MEAN_TILE = 4096
+
+
+@njit(cache=True, nogil=True)
+def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out):  # type: ignore[no-untyped-def]
+    """out[i] = (sum over ranks r, in rank order, of levels_r[i] * steps_r[i // bucket_r]) / R.
+
+    No fastmath on purpose: each product is rounded to float32 and added in rank order, then
+    divided by R, exactly as dequantize -> clone -> add_ -> div_ did (no FMA contraction, no
+    reciprocal for the division), so the mean is bit-identical to the unfused path.
+    ``levels_t`` / ``steps_t`` are tuples (one array per rank, no stacking copy).
+    """
+    n = out.size
+    world = len(levels_t)
+    wf = np.float32(world)
+    buf = np.empty(_MEAN_TILE, np.float32)
+    lo = 0
+    while lo < n:
+        # The segment ends at the first bucket boundary of any rank (ranks may differ in
+        # bucket size), so each rank has one step per segment.
+        hi = min(n, lo + _MEAN_TILE)
+        for r in range(world):
+            bs = bucket_sizes[r]
+            hi = min(hi, (lo // bs + 1) * bs)
+        m = hi - lo
+        for r in range(world):
+            st = steps_t[r][lo // bucket_sizes[r]]
+            lv = levels_t[r][lo:hi]
+            if r == 0:
+                for i in range(m):
+                    buf[i] = np.float32(lv[i]) * st
+            else:
+                for i in range(m):
+                    buf[i] = buf[i] + np.float32(lv[i]) * st
+        ob = out[lo:hi]
+        for i in range(m):
+            ob[i] = buf[i] / wf
+        lo = hi
+
+
+def bucket_steps(scales: np.ndarray, bits: int) -> np.ndarray:
+    """Per-bucket dequantization step ``scale * (1 / L)`` in float32, as ``dequantize`` uses."""
+    inv = np.float32(1.0) / np.float32(levels_max(bits))
+    return np.ascontiguousarray(scales, dtype=np.float32) * inv
+
+
+def mean_dequantized_into(
+    levels: list[np.ndarray],
+    scales: list[np.ndarray],
+    bits: list[int],
+    bucket_sizes: list[int],
+    out: np.ndarray,
+) -> None:
+    """Write the mean over ranks of ``dequantize(levels_r, scales_r, bits_r, bucket_r)`` into
+    ``out`` (float32, numel long) in one pass, with no per-rank float32 array: bit-identical to
+    dequantizing each rank, summing in rank order and dividing by the number of ranks.
+
+    Sizes are checked here (the kernel does no bounds checks): every ``levels_r`` must have
+    ``out.size`` elements and ``scales_r`` one scale per bucket; a ValueError otherwise.
+    """
+    lv = tuple(np.ascontiguousarray(x, dtype=np.int8).reshape(-1) for x in levels)
+    st = tuple(bucket_steps(s, b) for s, b in zip(scales, bits, strict=True))
+    for x, s, bs in zip(lv, st, bucket_sizes, strict=True):
+        if x.size != out.size or bs < 1 or s.size != n_buckets(out.size, bs):
+            raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {out.size} elements")
+    _mean_dequantized_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), out)

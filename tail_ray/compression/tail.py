@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from tail_ray.compression.layers import (
     encode_with_stats,
     raw_record,
     records_to_flat,
+    sample_stack,
     warn_nonfinite,
 )
 from tail_ray.compression.quantize import (
@@ -275,6 +276,20 @@ class TailCompressor:
                 out[rec.name] = out[rec.name].clone()
         return out
 
+    def records_last(self) -> list[LayerRecord] | None:
+        """The records of the last ``compress`` call (what its payload decodes to: the coding is
+        lossless), without entropy-decoding anything; the hook's fused decode-average uses them
+        for its own rank. Raw layers' values alias the caller's gradient: read them before
+        overwriting it. None before the first ``compress``; handed out once, like ``decoded_last``.
+        """
+        records, self._last_records = self._last_records, None
+        return records
+
+    @staticmethod
+    def decode_records(payload: bytes) -> list[LayerRecord]:
+        """Any peer's payload to records (levels and scales, not yet dequantized)."""
+        return decode_payload(payload)
+
     @staticmethod
     def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
         """The engine's part of ``decompress``: dequantize decoded records."""
@@ -294,17 +309,35 @@ class TailCompressor:
         mean ||d_i||^2 less that same compression part: the relative SGD noise (see
         BudgetPolicy.relative_noise).
         """
-        world = len(decoded_by_rank)
+        self._observe_sampled(
+            decoded_by_rank,
+            lambda ts, stride: torch.stack([t.reshape(-1)[::stride] for t in ts]).double(),
+            lambda t: t.numel(),
+        )
+
+    def observe_peer_records(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
+        """``observe_peers`` on records (decoded payloads before dequantization): the same
+        statistics, from the same strided sample, but only the sampled elements are dequantized."""
+        self._observe_sampled(records_by_rank, sample_stack, lambda rec: rec.numel)
+
+    def _observe_sampled(
+        self,
+        by_rank: Sequence[Mapping[str, Any]],
+        stack_of: Callable[[list[Any], int], torch.Tensor],
+        numel_of: Callable[[Any], int],
+    ) -> None:
+        world = len(by_rank)
         if world < 2:
             return
         policy = self.controller.policy
-        for name in decoded_by_rank[0]:
-            first = decoded_by_rank[0][name]
-            if first.numel() < max(self.config.raw_below_numel, 1):
+        for name in by_rank[0]:
+            numel = numel_of(by_rank[0][name])
+            if numel < max(self.config.raw_below_numel, 1):
                 continue
-            stride = max(1, first.numel() // _SPREAD_SAMPLE_NUMEL)
+            stride = max(1, numel // _SPREAD_SAMPLE_NUMEL)
             try:
-                stack = torch.stack([d[name].reshape(-1)[::stride] for d in decoded_by_rank]).double()
+                # (world, n_sample) float64: every rank's layer at the same strided positions.
+                stack = stack_of([d[name] for d in by_rank], stride)
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue

@@ -135,3 +135,41 @@ def test_large_wide_layer_round_trips_every_code(bits: int) -> None:
             c, nnz, body = levelcode.encode_levels(lv, bits, force=code)
             out = levelcode.decode_levels(c, np.frombuffer(body, np.uint8), lv.size, bits, nnz, layer="x")
             np.testing.assert_array_equal(out, lv)
+
+
+def test_branch_free_gap_window_counts_what_the_branchy_one_counts() -> None:
+    rng = np.random.default_rng(13)
+    for trial in range(300):
+        n = int(rng.integers(1, 20_000))
+        lv = _levels(n, 3, float(rng.random()) ** 2, seed=trial)
+        if trial % 4 == 0:  # a long leading run of zeros, and windows that hold few non-zeros
+            lv[: int(rng.integers(0, n))] = 0
+        lo = int(rng.integers(0, n))
+        hi = int(rng.integers(lo, n + 1))
+        want_slots, want_g = np.zeros(sparse.N_SLOTS, np.int64), np.zeros(8, np.int64)
+        got_slots, got_g = np.zeros(sparse.N_SLOTS, np.int64), np.zeros(8, np.int64)
+        want = pairs._gap_window(lv, lo, hi, want_slots, want_g)
+        got = pairs._gap_window_dense(lv, lo, hi, got_slots, got_g)
+        assert got == want
+        np.testing.assert_array_equal(got_slots, want_slots)
+        np.testing.assert_array_equal(got_g, want_g)
+
+
+@pytest.mark.parametrize("density", [0.05, pairs.DENSE_GAP_SHARE - 0.01, pairs.DENSE_GAP_SHARE + 0.01, 0.6])
+def test_sampled_gaps_equal_the_windowed_count_on_both_sides_of_the_dense_switch(density: float) -> None:
+    """The switch to the branch-free counter changes speed only: the estimate (and so the code
+    chosen and the payload) is what the branchy window count gives."""
+    lv = _levels(1 << 20, 3, density, seed=int(density * 100))
+    nnz = int(np.count_nonzero(lv))
+    got_slots = np.zeros(sparse.N_SLOTS, np.int64)
+    got_extra = pairs.sampled_gaps(lv, nnz, got_slots)
+    slots, g = np.zeros(sparse.N_SLOTS, np.int64), np.zeros(8, np.int64)
+    counted = extra = 0
+    step = pairs.GAP_WINDOW * pairs.GAP_SAMPLE_EVERY
+    for lo in range((lv.size % step) // 2, lv.size, step):
+        c, e = pairs._gap_window(lv, lo, min(lv.size, lo + pairs.GAP_WINDOW), slots, g)
+        counted, extra = counted + c, extra + e
+    slots[:7] += g[:7]
+    want_slots = np.where(slots > 0, np.maximum((slots * nnz) // counted, 1), 0)
+    assert got_extra == (extra * nnz) // counted
+    np.testing.assert_array_equal(got_slots, want_slots)

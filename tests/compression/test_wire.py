@@ -184,3 +184,23 @@ def test_max_numel_bounds_the_receiver() -> None:
         decode_payload(payload, max_numel=4999)
     assert (err.value.layer, err.value.field) == ("z", "numel")
     assert decode_payload(payload, max_numel=5000)[0].numel == 5000
+
+
+def test_encode_payload_equals_sealing_the_frame() -> None:
+    """The encoder runs the CRC over the pieces as it frames them: same trailer as ``seal``."""
+    rng = np.random.default_rng(3)
+    recs = [
+        LayerRecord("r", 10, Kind.RAW_F32, values=rng.standard_normal(10).astype(np.float32)),
+        LayerRecord(
+            "q",
+            1000,
+            Kind.QUANT,
+            bits=3,
+            bucket_size=512,
+            scales=np.ones(2, np.float32),
+            levels=rng.integers(-3, 4, 1000).astype(np.int8),
+        ),
+    ]
+    payload, costs = encode_payload(recs)
+    assert payload == seal(payload[:-4])
+    assert sum(c.encoded_bytes for c in costs) == len(payload) - PAYLOAD_OVERHEAD_BYTES

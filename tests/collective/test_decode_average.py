@@ -1,0 +1,161 @@
+"""The fused decode-average (records -> one numba pass per layer) against the unfused path:
+decode every payload to tensors, observe_peers, average_decoded, copy_. Bit-exact."""
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tail_ray.collective.hook import average_decoded, decode_average_into
+from tail_ray.compression import make_compressor
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.errors import CodecError
+
+SIZES = {"w": 70_001, "v": 40_000, "n": 8_192, "b": 100}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).contiguous().view(-1).numpy().view(np.int32)
+
+
+def _payloads(world: int, step_seed: int = 0, nan_rank: int | None = None) -> tuple[list[Any], list[bytes]]:
+    """Each rank pinned to different bits (so ranks' layers differ in bits); ``nan_rank`` sends
+    layer "n" raw (non-finite), the others quantize it: a mixed layer."""
+    rng = np.random.default_rng(step_seed)
+    comps = [
+        TailCompressor(TailConfig(seed=7 + r, candidate_bits=((2, 3, 4, 5, 8)[r % 5],))) for r in range(world)
+    ]
+    payloads = []
+    for r, comp in enumerate(comps):
+        for _ in range(2):  # a second step: residuals and the controller are in play
+            grads = {
+                n: torch.from_numpy(rng.standard_normal(k).astype(np.float32) * 1e-2)
+                for n, k in SIZES.items()
+            }
+            if r == nan_rank:
+                grads["n"][5] = float("nan")
+            payload = comp.compress(grads)
+        payloads.append(payload)
+    return comps, payloads
+
+
+def _recorder(comp: TailCompressor) -> list[tuple[str, float, float, float]]:
+    calls: list[tuple[str, float, float, float]] = []
+    comp.controller.policy.observe_spread = lambda *a: calls.append(a)  # type: ignore[method-assign]
+    return calls
+
+
+def _bucket(names: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Gradient views of one flat buffer, as DDP hands them to the hook."""
+    buf = torch.full((sum(SIZES[n] for n in names),), 123.0)
+    views, at = [], 0
+    for n in names:
+        views.append(buf[at : at + SIZES[n]])
+        at += SIZES[n]
+    return buf, views
+
+
+@pytest.mark.parametrize(
+    ("world", "own_rank", "nan_rank"), [(2, 0, None), (2, 1, 0), (3, 2, 1), (4, 1, None)]
+)
+def test_fused_equals_unfused_bit_for_bit(world: int, own_rank: int, nan_rank: int | None) -> None:
+    comps, payloads = _payloads(world, nan_rank=nan_rank)
+    names = list(SIZES)
+    decoded = [TailCompressor().decompress(p) for p in payloads]
+    want_calls = _recorder(comps[own_rank])
+    comps[own_rank].observe_peers(decoded)
+    want = average_decoded(names, decoded)
+
+    got_calls = _recorder(comps[own_rank])
+    _, grads = _bucket(names)
+    decode_average_into(SimpleNamespace(compressor=comps[own_rank]), payloads, names, grads, own_rank)  # type: ignore[arg-type]
+    for name, g in zip(names, grads, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(want[name]), err_msg=name)
+    # repr: exact for floats, and NaN (a non-finite layer's spread) compares equal to itself.
+    assert repr(got_calls) == repr(want_calls) and len(got_calls) == 3  # b is below raw_below_numel
+
+
+def test_own_payload_is_not_decoded_and_records_are_handed_out_once() -> None:
+    comps, payloads = _payloads(2)
+    names = list(SIZES)
+    want = average_decoded(names, [TailCompressor().decompress(p) for p in payloads])
+    _, grads = _bucket(names)
+    state = SimpleNamespace(compressor=comps[1])
+    # Rank 1's own entry is garbage: the fused path takes its records from the compressor.
+    decode_average_into(state, [payloads[0], b"not a payload"], names, grads, 1)  # type: ignore[arg-type]
+    for name, g in zip(names, grads, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(want[name]))
+    assert comps[1].records_last() is None
+    with pytest.raises(CodecError, match=r"checksum|magic|header"):  # now it must decode its own
+        decode_average_into(state, [payloads[0], b"not a payload"], names, grads, 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("what", ["missing", "numel"])
+def test_a_bad_peer_payload_raises_codec_error_and_writes_nothing(what: str) -> None:
+    comps, payloads = _payloads(2)
+    names = list(SIZES)
+    other = TailCompressor(TailConfig(seed=3))
+    rng = np.random.default_rng(9)
+    grads_peer = {n: torch.from_numpy(rng.standard_normal(k).astype(np.float32)) for n, k in SIZES.items()}
+    if what == "missing":
+        del grads_peer["v"]
+    else:
+        grads_peer["v"] = torch.ones(SIZES["v"] + 1)
+    buf, grads = _bucket(names)
+    with pytest.raises(CodecError) as info:
+        decode_average_into(
+            SimpleNamespace(compressor=comps[0]), [payloads[0], other.compress(grads_peer)], names, grads, 0
+        )  # type: ignore[arg-type]
+    assert info.value.layer == "v" and info.value.field == ("name" if what == "missing" else "numel")
+    assert bool((buf == 123.0).all())  # checked before anything is written
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_non_fp32_and_non_contiguous_gradients(dtype: torch.dtype) -> None:
+    comps, payloads = _payloads(2)
+    names = ["w", "v"]
+    payloads = [comps[0].compress({"w": torch.randn(300, 200) * 1e-2, "v": torch.randn(SIZES["v"]) * 1e-2})]
+    payloads.append(
+        comps[1].compress({"w": torch.randn(300, 200) * 1e-2, "v": torch.randn(SIZES["v"]) * 1e-2})
+    )
+    decoded = [TailCompressor().decompress(p) for p in payloads]
+    want = average_decoded(names, decoded)
+    w = torch.zeros(200, 300).t()  # non-contiguous fp32
+    v = torch.zeros(SIZES["v"], dtype=dtype)
+    decode_average_into(SimpleNamespace(compressor=comps[0]), payloads, names, [w, v], 0)  # type: ignore[arg-type]
+    assert not w.is_contiguous()
+    np.testing.assert_array_equal(_bits(w), _bits(want["w"].view(300, 200)))
+    ref_v = torch.zeros(SIZES["v"], dtype=dtype).copy_(want["v"])
+    assert torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("method", ["qsgd", "topk", "none"])
+def test_other_compressors_equal_decoding_everything(method: str) -> None:
+    """qsgd and topk (sparse layers) take the records path; "none" has no ``decode_records``
+    and takes the generic one (decompress every payload to tensors)."""
+    settings: dict[str, Any] = {"qsgd": {"bits": 3}, "topk": {"density": 0.05}, "none": {}}[method]
+    comps = [make_compressor(method, **settings) for _ in range(2)]
+    gen = torch.Generator().manual_seed(2)
+    names = ["w", "b"]
+    payloads = [
+        c.compress({"w": torch.randn(20_000, generator=gen), "b": torch.randn(10, generator=gen)})
+        for c in comps
+    ]
+    want = average_decoded(names, [comps[0].decompress(p) for p in payloads])
+    grads = [torch.zeros(20_000), torch.zeros(10)]
+    decode_average_into(SimpleNamespace(compressor=comps[0]), payloads, names, grads, 0)  # type: ignore[arg-type]
+    for name, g in zip(names, grads, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(want[name]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gradients_on_a_gpu_get_the_same_mean() -> None:
+    comps, payloads = _payloads(2)
+    names = list(SIZES)
+    want = average_decoded(names, [TailCompressor().decompress(p) for p in payloads])
+    grads = [torch.zeros(SIZES[n], device="cuda") for n in names]
+    decode_average_into(SimpleNamespace(compressor=comps[0]), payloads, names, grads, 0)  # type: ignore[arg-type]
+    for name, g in zip(names, grads, strict=True):
+        np.testing.assert_array_equal(_bits(g.cpu()), _bits(want[name]))
