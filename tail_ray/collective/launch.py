@@ -25,7 +25,13 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: tuple,
+    leave_together: bool,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -36,25 +42,33 @@ def _entry(
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
-        # Leave together: a rank tearing its group down while the other still has gloo work
-        # in flight with it can make gloo std::terminate that process (seen as SIGABRT).
-        dist.barrier()
+        if leave_together:
+            # A rank tearing its group down while the other still has gloo work in flight
+            # with it can make gloo std::terminate that process (seen as SIGABRT).
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def run_local_group(
-    fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    timeout_s: float = 60.0,
+    *,
+    leave_together: bool = True,
 ) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise on failure.
 
     ``fn`` must be importable by name (a module-level function). Results travel back through
-    files or queues the caller passes in ``args``.
+    files or queues the caller passes in ``args``. ``leave_together``: the ranks meet at a
+    barrier after ``fn`` returns, before tearing the group down; pass False when ``fn`` may
+    return while its peers are still mid-collective (a test simulating a crashed rank).
     """
     port = free_port()
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, timeout_s, args),
+        args=(fn, world_size, port, timeout_s, args, leave_together),
         nprocs=world_size,
         join=False,
         start_method="spawn",

@@ -104,7 +104,7 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
 def test_corrupted_payload_fails_the_step_with_codec_error_on_every_rank(tmp_path, mode: str) -> None:
     t0 = time.monotonic()
     try:
-        run_local_group(_worker, 2, (tmp_path, mode), timeout_s=COLLECTIVE_TIMEOUT_S)
+        run_local_group(_worker, 2, (tmp_path, mode), timeout_s=COLLECTIVE_TIMEOUT_S, leave_together=False)
     except ProcessExitedException as exc:
         # gloo may abort a process outright when its peer vanished mid-collective: the sender,
         # or the receiver at teardown (after it saved its outcome: loaded and checked below).
