@@ -4,7 +4,8 @@ The choice is made on sizes: bit-pack size is exact; a rANS size is the ideal co
 under the quantised table actually used plus the table's exact size (the real stream is
 within ~0.1% + 8 bytes of it). Only the winner is encoded; an entropy body that turns out
 larger than bit-pack falls back to bit-pack. One documented tie-break: sparse rANS must save
-``SPARSE_MIN_GAIN`` (1%) over the dense entropy code, which is several times faster.
+``SPARSE_MIN_GAIN`` (5%) over the dense entropy code, which encodes 4-5x faster at the
+densities where the two are close (measured on 1M-element layers: 2.2 vs 0.45 GB/s).
 
 Bodies (the container frames them; ``a`` = 2L + 1); docs/wire-format.md has the details:
     BITPACK      (level + L) packed at ceil(log2(a)) bits each, LSB-first
@@ -55,7 +56,7 @@ CODE_NAMES = {
 }
 PAIR_MAX_BITS = 4  # (2L + 1)**2 <= 225 pair symbols fit a byte
 # Sparse coding must save at least this share of the dense entropy code's size to be chosen.
-SPARSE_MIN_GAIN = 0.01
+SPARSE_MIN_GAIN = 0.05
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("tail_ray's level coder views int8 pairs as uint16: it needs a little-endian host")
