@@ -34,10 +34,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "none": {},
     "fp16": {},
     "powersgd": {"rank": 2},
-    "qsgd-8": {"bits": 8},
-    "topk-1%": {"density": 0.01},
+    # The peers run through the same hook, pinned to compress: their rows show their codecs.
+    "qsgd-8": {"bits": 8, "link_aware": False},
+    "topk-1%": {"density": 0.01, "link_aware": False},
+    # Tail as shipped: the link-aware switch picks plain all-reduce where that is faster.
     "tail": {},
-    # Tail with the link-aware switch off: what the codec costs when it is always on.
+    # Tail with the switch off: what the codec costs when it is always on.
     "tail-always": {"link_aware": False},
 }
 MODELS = {"synthetic_mlp": "synthetic", "char_transformer": "stdlib_chars"}
@@ -255,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup-steps",
         type=int,
-        default=12,
-        help="untimed steps first; the default covers Tail's link-aware start-up trial "
-        "(3 warm-up + 4 compressed + 4 plain steps) so the timed steps show the settled mode",
+        default=45,
+        help="untimed steps first (default %(default)s): they cover Tail's link-aware start-up "
+        "trial (5 warm-up + 5 compressed + 5 plain steps) and, after a near tie, its first "
+        "re-check (25 steps later), so the timed steps show the settled mode",
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")

@@ -8,9 +8,10 @@ have to know which case they are in, so the hook measures it:
     warm-up    ``warmup_steps`` compressed steps, not timed (numba JIT, DDP's bucket rebuild)
     trial      ``trial_steps`` timed steps in each mode: compressed, then plain all-reduce
     decide     the mode with the smaller median step time, agreed by every rank
-    settled    that mode for ``recheck_every_steps``; then the other mode is tried again
-               (the link, the load or the model's bit-widths may have changed). A re-check that
-               confirms the choice doubles the interval, up to ``max_recheck_every_steps``.
+    settled    that mode for ``recheck_every_steps`` x gap**2 (gap = slower / faster median,
+               capped at 64x) x 2**(re-checks in a row that confirmed it), at most
+               ``max_recheck_every_steps``; then the other mode is tried again (the link, the
+               load or the model's bit-widths may have changed).
                Sooner when the mode in use gets ``abort_ratio`` slower than when it was chosen
                (checked every 10 steps).
 
@@ -58,14 +59,15 @@ class LinkGateConfig:
     warmup_steps: first compressed steps not timed (JIT compilation, DDP bucket rebuild).
     trial_steps: timed steps per mode in a trial; the median decides.
     recheck_every_steps / max_recheck_every_steps: steps in the chosen mode before the other
-        is tried again; doubles (up to the max) each time a re-check confirms the choice.
+        is tried again after a near tie; longer after a clear decision and after each re-check
+        that confirmed it (see the module docstring), never more than the max.
     abort_ratio: stop a trial of the mode not in use once its step is this much slower.
     """
 
     enabled: bool = True
-    warmup_steps: int = 3
-    trial_steps: int = 4
-    recheck_every_steps: int = 200
+    warmup_steps: int = 5
+    trial_steps: int = 5
+    recheck_every_steps: int = 25
     max_recheck_every_steps: int = 3200
     abort_ratio: float = 1.5
 
@@ -109,6 +111,9 @@ Agree = Callable[[Sequence[float]], Sequence[float]]
 _WARMUP, _TRIAL, _SETTLED = "warmup", "trial", "settled"
 # While settled, the mode in use is checked for drift this often (one tiny all-reduce).
 _DRIFT_CHECK_EVERY_STEPS = 10
+# A decision by a gap g (slower / faster median step) stretches the next re-check by g**2, up
+# to this factor: a 3x gap waits 9x longer than a near tie, an 8x gap 64x.
+_MAX_GAP_FACTOR = 64.0
 
 
 class LinkGate:
@@ -131,6 +136,7 @@ class LinkGate:
         self._incumbent: Mode | None = None  # the settled mode a re-check compares against
         self._samples: dict[Mode, list[float]] = {Mode.COMPRESS: [], Mode.ALLREDUCE: []}
         self._interval = self.config.recheck_every_steps
+        self._confirmations = 0  # re-checks in a row that kept the mode in use
         self._started_s: float | None = None
         self._timed = False  # whether the current step's duration becomes a sample
         self._chosen_s = 0.0  # median step time of the settled mode when it was chosen
@@ -203,12 +209,15 @@ class LinkGate:
             self.mode = self._queue[0]
 
     def _settle(self, chosen: Mode, comp_s: float, allreduce_s: float) -> None:
-        confirmed = chosen == self._incumbent
-        self._interval = (
-            min(2 * self._interval, self.config.max_recheck_every_steps)
-            if confirmed
-            else self.config.recheck_every_steps
-        )
+        # The next re-check comes later the clearer this decision was (gap: slower / faster
+        # median) and the more re-checks in a row confirmed it: a near tie is checked again
+        # soon (early steps are noisy), a 10x gap on a slow link rarely, since each re-check
+        # costs one step of the slow mode there.
+        self._confirmations = self._confirmations + 1 if chosen == self._incumbent else 0
+        gap = max(comp_s, allreduce_s) / max(min(comp_s, allreduce_s), 1e-9)
+        cfg = self.config
+        interval = cfg.recheck_every_steps * 2**self._confirmations * min(gap * gap, _MAX_GAP_FACTOR)
+        self._interval = int(min(max(interval, cfg.recheck_every_steps), cfg.max_recheck_every_steps))
         self.decisions.append((self.step, chosen, comp_s, allreduce_s))
         log.info(
             "link gate, step %d: median step %.1f ms compressed vs %.1f ms plain all-reduce -> %s "

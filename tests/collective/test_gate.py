@@ -30,30 +30,36 @@ def drive(gate, step_ms, steps, agree=identity):
 CFG = LinkGateConfig(warmup_steps=2, trial_steps=3, recheck_every_steps=10, max_recheck_every_steps=40)
 
 
-def test_fast_link_settles_on_allreduce_and_rechecks_cheaply():
+def interval(gap: float, confirmations: int) -> int:
+    """The re-check interval the gate's docstring promises, for CFG."""
+    return min(max(int(10 * 2**confirmations * min(gap * gap, 64)), 10), 40)
+
+
+def test_fast_link_settles_on_allreduce_and_rechecks_later_each_time():
     gate = LinkGate(CFG)
-    modes = drive(gate, {Mode.COMPRESS: lambda s: 50.0, Mode.ALLREDUCE: lambda s: 35.0}, 80)
+    modes = drive(gate, {Mode.COMPRESS: lambda s: 50.0, Mode.ALLREDUCE: lambda s: 35.0}, 90)
     # warm-up (2) + compressed trial (3) + all-reduce trial (3), then the decision.
     assert modes[:8] == [Mode.COMPRESS] * 5 + [Mode.ALLREDUCE] * 3
     assert gate.decisions[0][:2] == (8, Mode.ALLREDUCE)
     assert gate.decisions[0][2] == pytest.approx(0.050) and gate.decisions[0][3] == pytest.approx(0.035)
     # Re-checks try compression again; 50 ms < 1.5 x 35 ms, so each is a full 3-step trial
-    # that confirms all-reduce and doubles the interval (10, 20, 40, capped at 40).
+    # that confirms all-reduce, and the next one comes twice as late (then the cap).
     assert all(d[1] == Mode.ALLREDUCE for d in gate.decisions)
     starts = [d[0] for d in gate.decisions]
-    assert starts[1] - starts[0] == 10 + 3 and starts[2] - starts[1] == 20 + 3
+    assert starts[1] - starts[0] == interval(50 / 35, 0) + 3 == 23
+    assert starts[2] - starts[1] == interval(50 / 35, 1) + 3 == 43
     assert sum(m == Mode.COMPRESS for m in modes[8:]) == 3 * (len(gate.decisions) - 1)
 
 
-def test_slow_link_aborts_the_allreduce_trial_after_one_step():
+def test_slow_link_aborts_the_allreduce_trial_after_one_step_and_rechecks_rarely():
     gate = LinkGate(CFG)
     modes = drive(gate, {Mode.COMPRESS: lambda s: 50.0, Mode.ALLREDUCE: lambda s: 1400.0}, 60)
     assert modes[:6] == [Mode.COMPRESS] * 5 + [Mode.ALLREDUCE]
-    assert modes[6:16] == [Mode.COMPRESS] * 10
+    assert modes[6:46] == [Mode.COMPRESS] * 40  # a 28x gap: the longest interval at once
     assert gate.decisions[0][:2] == (6, Mode.COMPRESS)
-    # One all-reduce step per re-check, and the re-checks grow apart.
-    assert modes.count(Mode.ALLREDUCE) == len(gate.decisions) == 3
-    assert [d[0] for d in gate.decisions] == [6, 6 + 10 + 1, 6 + 10 + 1 + 20 + 1]
+    # One all-reduce step per re-check.
+    assert modes.count(Mode.ALLREDUCE) == len(gate.decisions) == 2
+    assert [d[0] for d in gate.decisions] == [6, 6 + 40 + 1]
 
 
 def test_close_race_runs_the_whole_trial_and_takes_the_faster_mode():
@@ -65,9 +71,10 @@ def test_close_race_runs_the_whole_trial_and_takes_the_faster_mode():
 
 def test_a_compressed_recheck_much_slower_than_allreduce_stops_after_one_step():
     gate = LinkGate(CFG)
-    modes = drive(gate, {Mode.COMPRESS: lambda s: 60.0, Mode.ALLREDUCE: lambda s: 35.0}, 20)
-    assert modes[18] == Mode.COMPRESS and modes[19] == Mode.ALLREDUCE  # 60 > 1.5 x 35
-    assert [d[:2] for d in gate.decisions] == [(8, Mode.ALLREDUCE), (19, Mode.ALLREDUCE)]
+    modes = drive(gate, {Mode.COMPRESS: lambda s: 60.0, Mode.ALLREDUCE: lambda s: 35.0}, 45)
+    at = 8 + interval(60 / 35, 0)
+    assert modes[at] == Mode.COMPRESS and modes[at + 1] == Mode.ALLREDUCE  # 60 > 1.5 x 35
+    assert [d[:2] for d in gate.decisions] == [(8, Mode.ALLREDUCE), (at + 1, Mode.ALLREDUCE)]
 
 
 def test_a_link_that_gets_busy_is_noticed_before_the_recheck_interval():
