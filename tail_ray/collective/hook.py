@@ -103,8 +103,16 @@ def decode_average_into(
         return
     own = getattr(compressor, "records_last", None)
     mine = own() if callable(own) else None
+    # A payload may describe at most this bucket's elements: a crafted or garbled one that
+    # claims a huge (e.g. all-zero sparse) layer fails before anything that size is allocated.
+    bucket_numel = sum(g.numel() for g in grads)
     records_by_rank = [
-        {rec.name: rec for rec in (mine if rank == own_rank and mine is not None else decode_records(p))}
+        {
+            rec.name: rec
+            for rec in (
+                mine if rank == own_rank and mine is not None else decode_records(p, max_numel=bucket_numel)
+            )
+        }
         for rank, p in enumerate(payloads)
     ]
     # Before the averages are written: this rank's raw records alias its gradients.

@@ -45,7 +45,7 @@ from tail_ray.compression.quantize import (
 )
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import MAX_NUMEL, Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -286,9 +286,9 @@ class TailCompressor:
         return records
 
     @staticmethod
-    def decode_records(payload: bytes) -> list[LayerRecord]:
+    def decode_records(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
         """Any peer's payload to records (levels and scales, not yet dequantized)."""
-        return decode_payload(payload)
+        return decode_payload(payload, max_numel=max_numel)
 
     @staticmethod
     def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:

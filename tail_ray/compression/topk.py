@@ -24,7 +24,7 @@ from tail_ray.compression.layers import (
 from tail_ray.compression.quantize import sum_squares
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import MAX_NUMEL, Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
 
 
@@ -61,9 +61,9 @@ class TopKCompressor:
         return records
 
     @staticmethod
-    def decode_records(payload: bytes) -> list[LayerRecord]:
+    def decode_records(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
         """Any peer's payload to records (what the hook's fused decode-average reads)."""
-        return decode_payload(payload)
+        return decode_payload(payload, max_numel=max_numel)
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
         """The engine's part of ``compress`` (everything but the wire's encoding)."""

@@ -108,8 +108,27 @@ def test_a_bad_peer_payload_raises_codec_error_and_writes_nothing(what: str) -> 
         decode_average_into(
             SimpleNamespace(compressor=comps[0]), [payloads[0], other.compress(grads_peer)], names, grads, 0
         )  # type: ignore[arg-type]
-    assert info.value.layer == "v" and info.value.field == ("name" if what == "missing" else "numel")
+    if what == "missing":
+        assert info.value.layer == "v" and info.value.field == "name"
+    else:  # one element too many: over the bucket's total (checked while decoding) or v's size
+        assert info.value.field == "numel"
+        assert info.value.layer == "v" or "add up to more than" in str(info.value)
     assert bool((buf == 123.0).all())  # checked before anything is written
+
+
+def test_a_tiny_payload_claiming_a_huge_layer_fails_before_allocating_it() -> None:
+    """A 50M-element all-zero layer codes to 1/500 of its fp32 size (its scales); the hook
+    bounds every peer payload by its bucket's size, so the decoder refuses it before
+    allocating 50M levels."""
+    comps, payloads = _payloads(2)
+    names = list(SIZES)
+    huge = TailCompressor(TailConfig(seed=3)).compress({"v": torch.zeros(50_000_000)})
+    assert len(huge) < 4 * 50_000_000 // 500
+    buf, grads = _bucket(names)
+    with pytest.raises(CodecError) as info:
+        decode_average_into(SimpleNamespace(compressor=comps[0]), [payloads[0], huge], names, grads, 0)  # type: ignore[arg-type]
+    assert info.value.field == "numel" and "exceeds" in str(info.value)
+    assert bool((buf == 123.0).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
