@@ -20,3 +20,7 @@ def test_bench_codec_runs_and_writes_every_method(tmp_path, capsys):
     ctl = tail["controller"]
     assert 0 <= ctl["agreement_rate"] <= 1 and ctl["agreement_trials"] > 0
     assert ctl["decision_cost_share"] >= 0
+    # Both yardsticks: the cache-hot copy and a streaming (memory-bound) copy of the same size.
+    assert res["copy_all_gbs"] > 0 and res["copy_stream_gbs"] > 0
+    assert tail["compress_vs_stream_copy"] > tail["compress_vs_copy"] > 0
+    assert "vs a streaming copy" in printed
