@@ -127,7 +127,7 @@ function renderLayers(layers) {
   for (const l of layers) {
     const tr = document.createElement("tr");
     tr.dataset.layer = l.layer;
-    for (const v of [l.layer, l.step, l.ranks, fmt(l.bits, 1), fmt(l.density), fmt(l.ratio, 2), fmt(l.rel_error, 4)]) {
+    for (const v of [l.layer, l.step, l.ranks, fmt(l.bits, 1), fmt(l.density), fmt(l.ratio, 2), fmt(l.rel_error, 4), l.code ?? ""]) {
       const td = document.createElement("td");
       td.textContent = String(v);
       tr.append(td);

@@ -64,6 +64,8 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         )
         assert page.locator("#jobs-table tbody tr").first.inner_text().startswith("live-digits")
         assert page.locator("#layer-table tbody tr").count() == len(LAYERS)
+        # The last column says how each layer went (the records pushed above say "tail").
+        assert page.locator("#layer-table tbody tr td:last-child").all_inner_texts() == ["tail"] * len(LAYERS)
         before = _layer_ratios(page)
         assert all(r > 1 for r in before)
         assert page.evaluate("() => window.tailDashboard.charts.traffic.data.labels.length") == 3
