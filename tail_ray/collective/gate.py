@@ -15,9 +15,15 @@ have to know which case they are in, so the hook measures it:
                Sooner when the mode in use gets ``abort_ratio`` slower than when it was chosen
                (checked every 10 steps).
 
-A trial of the mode not in use stops after its first step once that step is more than
-``abort_ratio`` times slower than the mode in use: on a 100 Mbit/s link one all-reduce step
-of a large model can cost 10x a compressed one, and a re-check must not cost a whole trial.
+A trial of a mode stops as soon as the median of its steps so far is more than
+``abort_ratio`` times the other mode's (checked after every trial step, so usually after the
+first): on a 100 Mbit/s link one all-reduce step of a large model can cost 10x a compressed
+one, and a re-check must not cost a whole trial.
+
+Costs: on trial steps and every 10th settled step, bucket 0's hook runs one blocking
+all-reduce of one or two floats (on NCCL a host sync in the middle of backward); the other
+steps add nothing. Every rank must be given the same ``link_*`` settings (they are part of
+the job's config), or their decision points differ and the collectives stop matching.
 
 The measured quantity is the wall time between consecutive calls of the hook for DDP bucket 0,
 i.e. the whole training iteration as the user sees it, not a model of it.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -114,6 +121,7 @@ _DRIFT_CHECK_EVERY_STEPS = 10
 # A decision by a gap g (slower / faster median step) stretches the next re-check by g**2, up
 # to this factor: a 3x gap waits 9x longer than a near tie, an 8x gap 64x.
 _MAX_GAP_FACTOR = 64.0
+_KEEP_DECISIONS = 256
 
 
 class LinkGate:
@@ -129,7 +137,8 @@ class LinkGate:
         self.config = config if config is not None else LinkGateConfig()
         self.step = -1  # index of the current step; -1 before the first
         self.mode = Mode.COMPRESS
-        self.decisions: list[tuple[int, Mode, float, float]] = []
+        # The latest decisions (bounded: a run with tiny intervals decides every few steps).
+        self.decisions: deque[tuple[int, Mode, float, float]] = deque(maxlen=_KEEP_DECISIONS)
         self._phase = _WARMUP if self.config.warmup_steps > 0 else _TRIAL
         self._phase_steps = 0  # steps begun in the current phase
         self._queue: list[Mode] = [Mode.COMPRESS, Mode.ALLREDUCE]  # modes still to measure
@@ -216,7 +225,10 @@ class LinkGate:
         self._confirmations = self._confirmations + 1 if chosen == self._incumbent else 0
         gap = max(comp_s, allreduce_s) / max(min(comp_s, allreduce_s), 1e-9)
         cfg = self.config
-        interval = cfg.recheck_every_steps * 2**self._confirmations * min(gap * gap, _MAX_GAP_FACTOR)
+        # The exponent is capped: 2**1024 overflows a float, and 2**20 is past any max interval.
+        interval = (
+            cfg.recheck_every_steps * 2 ** min(self._confirmations, 20) * min(gap * gap, _MAX_GAP_FACTOR)
+        )
         self._interval = int(min(max(interval, cfg.recheck_every_steps), cfg.max_recheck_every_steps))
         self.decisions.append((self.step, chosen, comp_s, allreduce_s))
         log.info(

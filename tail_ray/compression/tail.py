@@ -173,7 +173,8 @@ class TailCompressor:
             seed=self._seed,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
-        # (one DDP bucket), every layer exactly once per step, so a layer's count is the step.
+        # (one DDP bucket), every layer once per compressed step, so a layer's count is the
+        # number of compressed steps (steps the link-aware switch sent plain are not counted).
         self._layer_steps: dict[str, int] = {}
         self._last: list[LayerStats] = []
         self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
