@@ -16,12 +16,9 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.stats import relative_errors
-from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import (
     as_flat_f32,
-    encode_with_stats,
     raw_record,
-    records_to_flat,
     warn_nonfinite,
 )
 from tail_ray.compression.quantize import (
@@ -30,9 +27,9 @@ from tail_ray.compression.quantize import (
     quantize_finite,
     sum_squares,
 )
+from tail_ray.compression.recorded import RecordCompressor
 from tail_ray.compression.registry import register_compressor
-from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import MAX_NUMEL, Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import ConfigError
 
 # Elements sampled for the stats' estimated relative error (same estimator as Tail's controller).
@@ -40,7 +37,7 @@ _STATS_SAMPLE_NUMEL = 4096
 
 
 @register_compressor("qsgd")
-class QSGDCompressor:
+class QSGDCompressor(RecordCompressor):
     name = "qsgd"
 
     def __init__(
@@ -61,31 +58,8 @@ class QSGDCompressor:
         self.error_feedback = bool(error_feedback)
         self._seed = seed if seed is not None else secrets.randbits(32)
         self._rng = np.random.default_rng(self._seed)
-        self.feedback = ErrorFeedback()
+        super().__init__()
         self._calls = 0
-        self._last: list[LayerStats] = []
-        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
-        self._last_records: list[LayerRecord] | None = None  # what the last ``compress`` sent
-
-    @property
-    def last_stats(self) -> list[LayerStats]:
-        return self._last
-
-    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
-        records = self.compress_records(grads)
-        payload, self._last = encode_with_stats(records, self._pending)
-        self._last_records = records
-        return payload
-
-    def records_last(self) -> list[LayerRecord] | None:
-        """The last ``compress`` call's records, handed out once (see TailCompressor.records_last)."""
-        records, self._last_records = self._last_records, None
-        return records
-
-    @staticmethod
-    def decode_records(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
-        """Any peer's payload to records (what the hook's fused decode-average reads)."""
-        return decode_payload(payload, max_numel=max_numel)
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
         """The engine's part of ``compress`` (everything but the wire's encoding)."""
@@ -132,18 +106,6 @@ class QSGDCompressor:
             extras.append((rel_error, int(nnz)))
         self._pending = extras
         return records
-
-    def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
-        return records_to_flat(decode_payload(payload))
-
-    @staticmethod
-    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
-        """The engine's part of ``decompress``: dequantize decoded records."""
-        return records_to_flat(records)
-
-    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Add each layer's residual into its gradient (in place) and clear it: see ErrorFeedback."""
-        self.feedback.fold_into(grads)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}

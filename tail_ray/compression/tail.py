@@ -28,10 +28,8 @@ import torch
 
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
-from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import (
     as_flat_f32,
-    encode_with_stats,
     raw_record,
     records_to_flat,
     sample_stack,
@@ -43,9 +41,9 @@ from tail_ray.compression.quantize import (
     quantize_finite,
     sum_squares,
 )
+from tail_ray.compression.recorded import RecordCompressor
 from tail_ray.compression.registry import register_compressor
-from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import MAX_NUMEL, Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -154,7 +152,7 @@ class TailConfig:
         )
 
 
-class TailCompressor:
+class TailCompressor(RecordCompressor):
     """Tail: see the module docstring. Stateful (residuals, controller); decoding is stateless."""
 
     name = "tail"
@@ -162,7 +160,7 @@ class TailCompressor:
     def __init__(self, config: TailConfig | None = None) -> None:
         self.config = config if config is not None else TailConfig()
         self._seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)
-        self.feedback = ErrorFeedback()
+        super().__init__()
         self.controller = BitController(
             BudgetPolicy(self.config.budget_settings()),
             candidate_bits=self.config.candidate_bits,
@@ -176,15 +174,8 @@ class TailCompressor:
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the
         # number of compressed steps (steps the link-aware switch sent plain are not counted).
         self._layer_steps: dict[str, int] = {}
-        self._last: list[LayerStats] = []
-        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
         self._residual_sq: dict[str, float] = {}  # ||e||^2 of each layer's current residual
-        self._last_records: list[LayerRecord] | None = None  # what the last ``compress`` sent
-
-    @property
-    def last_stats(self) -> list[LayerStats]:
-        return self._last
 
     @property
     def step(self) -> int:
@@ -192,12 +183,6 @@ class TailCompressor:
         return max(self._layer_steps.values(), default=0)
 
     # --- sending -------------------------------------------------------------------------
-    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
-        records = self.compress_records(grads)
-        payload, self._last = encode_with_stats(records, self._pending)
-        self._last_records = records
-        return payload
-
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
         """The engine's part of ``compress`` (everything but the wire's encoding)."""
         cfg = self.config
@@ -258,9 +243,6 @@ class TailCompressor:
         return records
 
     # --- receiving -----------------------------------------------------------------------
-    def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
-        return records_to_flat(decode_payload(payload))
-
     def decoded_last(self) -> dict[str, torch.Tensor] | None:
         """What ``decompress`` would return for the payload of the last ``compress`` call, without
         entropy-decoding it (the levels and scales are still here; the coding is lossless, so
@@ -276,25 +258,6 @@ class TailCompressor:
             if rec.kind != Kind.QUANT:
                 out[rec.name] = out[rec.name].clone()
         return out
-
-    def records_last(self) -> list[LayerRecord] | None:
-        """The records of the last ``compress`` call (what its payload decodes to: the coding is
-        lossless), without entropy-decoding anything; the hook's fused decode-average uses them
-        for its own rank. Raw layers' values alias the caller's gradient: read them before
-        overwriting it. None before the first ``compress``; handed out once, like ``decoded_last``.
-        """
-        records, self._last_records = self._last_records, None
-        return records
-
-    @staticmethod
-    def decode_records(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
-        """Any peer's payload to records (levels and scales, not yet dequantized)."""
-        return decode_payload(payload, max_numel=max_numel)
-
-    @staticmethod
-    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
-        """The engine's part of ``decompress``: dequantize decoded records."""
-        return records_to_flat(records)
 
     # --- signals from the hook / trainer ---------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -355,7 +318,7 @@ class TailCompressor:
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Add each layer's residual into its gradient (in place) and clear it: the hook calls
         this for a step it sends by plain all-reduce (see tail_ray/collective/gate.py)."""
-        self.feedback.fold_into(grads)
+        super().fold_residuals(grads)
         for name in grads:
             self._residual_sq.pop(name, None)
 

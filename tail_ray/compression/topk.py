@@ -13,23 +13,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import (
     as_flat_f32,
-    encode_with_stats,
     raw_record,
-    records_to_flat,
     warn_nonfinite,
 )
 from tail_ray.compression.quantize import sum_squares
+from tail_ray.compression.recorded import RecordCompressor
 from tail_ray.compression.registry import register_compressor
-from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import MAX_NUMEL, Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import ConfigError
 
 
 @register_compressor("topk")
-class TopKCompressor:
+class TopKCompressor(RecordCompressor):
     name = "topk"
 
     def __init__(
@@ -40,30 +37,7 @@ class TopKCompressor:
         self.density = float(density)
         self.raw_below_numel = int(raw_below_numel)
         self.error_feedback = bool(error_feedback)
-        self.feedback = ErrorFeedback()
-        self._last: list[LayerStats] = []
-        self._pending: list[tuple[float, int | None]] = []  # (rel_error, nnz) per record
-        self._last_records: list[LayerRecord] | None = None  # what the last ``compress`` sent
-
-    @property
-    def last_stats(self) -> list[LayerStats]:
-        return self._last
-
-    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
-        records = self.compress_records(grads)
-        payload, self._last = encode_with_stats(records, self._pending)
-        self._last_records = records
-        return payload
-
-    def records_last(self) -> list[LayerRecord] | None:
-        """The last ``compress`` call's records, handed out once (see TailCompressor.records_last)."""
-        records, self._last_records = self._last_records, None
-        return records
-
-    @staticmethod
-    def decode_records(payload: bytes, *, max_numel: int = MAX_NUMEL) -> list[LayerRecord]:
-        """Any peer's payload to records (what the hook's fused decode-average reads)."""
-        return decode_payload(payload, max_numel=max_numel)
+        super().__init__()
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
         """The engine's part of ``compress`` (everything but the wire's encoding)."""
@@ -100,18 +74,6 @@ class TopKCompressor:
             extras.append(((total - kept) / total if total > 0 else 0.0, k))
         self._pending = extras
         return records
-
-    def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
-        return records_to_flat(decode_payload(payload))
-
-    @staticmethod
-    def decompress_records(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
-        """The engine's part of ``decompress``: dequantize decoded records."""
-        return records_to_flat(records)
-
-    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Add each layer's residual into its gradient (in place) and clear it: see ErrorFeedback."""
-        self.feedback.fold_into(grads)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()}}
