@@ -184,19 +184,21 @@ GAP_SAMPLE_EVERY = 8
 
 
 @njit(cache=True, nogil=True)
-def _gap_window(levels, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Gap slots of the non-zeros in levels[lo:hi], the first one skipped (its gap starts
-    before the window). Returns (non-zeros counted, extra bits)."""
-    last = -1
+def _first_nonzero(levels, lo, hi):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
+    """Index of the first non-zero level in levels[lo:hi], or hi."""
     j = lo
     while j < hi and levels[j] == 0:
         j += 1
-    if j >= hi:
-        return 0, 0
-    last = j
+    return j
+
+
+@njit(cache=True, nogil=True)
+def _count_gaps(levels, last, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Gap slots of the non-zeros in levels[lo:hi], the previous non-zero at ``last``: gaps
+    1..7 into ``g``, longer ones into ``slot_counts``. Returns (non-zeros counted, extra bits)."""
     counted = 0
     extra = 0
-    for j in range(last + 1, hi):
+    for j in range(lo, hi):
         if levels[j] != 0:
             u = j - last
             if u < 8:
@@ -208,6 +210,16 @@ def _gap_window(levels, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]
             counted += 1
             last = j
     return counted, extra
+
+
+@njit(cache=True, nogil=True)
+def _gap_window(levels, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Gap slots of the non-zeros in levels[lo:hi], the first one skipped (its gap starts
+    before the window). Returns (non-zeros counted, extra bits)."""
+    first = _first_nonzero(levels, lo, hi)
+    if first >= hi:
+        return 0, 0
+    return _count_gaps(levels, first, first + 1, hi, slot_counts, g)
 
 
 @njit(cache=True, nogil=True)
@@ -280,12 +292,9 @@ def _gap_window_dense(levels, lo, hi, slot_counts, g):  # type: ignore[no-untype
     """``_gap_window`` (same counts, same result) for dense layers: small gaps counted branch-free
     in four sub-histograms (lane k of each group of four; slot 7 takes zeros and large gaps, and
     is ignored), large gaps re-counted exactly in the rare group that has one."""
-    j = lo
-    while j < hi and levels[j] == 0:
-        j += 1
-    if j >= hi:
+    last = _first_nonzero(levels, lo, hi)
+    if last >= hi:
         return 0, 0
-    last = j
     counted = 0
     extra = 0
     gg = np.zeros((4, 8), dtype=np.int64)
@@ -312,17 +321,9 @@ def _gap_window_dense(levels, lo, hi, slot_counts, g):  # type: ignore[no-untype
                         extra += nx
                         counted += 1
                     last = jj
-    for jj in range(end4, hi):
-        if levels[jj] != 0:
-            u = jj - last
-            if u < 8:
-                g[u - 1] += 1
-            else:
-                sl, nx, _ = _slot(u)
-                slot_counts[sl] += 1
-                extra += nx
-            counted += 1
-            last = jj
+    c, e = _count_gaps(levels, last, end4, hi, slot_counts, g)  # the last < 4 levels
+    counted += c
+    extra += e
     for t in range(7):
         small = gg[0, t] + gg[1, t] + gg[2, t] + gg[3, t]
         g[t] += small
