@@ -44,6 +44,10 @@ def test_real_tail_job_live_in_the_browser_and_across_a_service_restart(
     spec = {
         "name": "e2e-digits", "method": "tail", "min_workers": 2, "max_workers": 2, "steps": STEPS,
         "batch_size": 32, "checkpoint_every_steps": STEPS, "metrics_every_steps": 1, "max_failures": 0,
+        # Both workers share this host: the link-aware switch would go plain all-reduce after
+        # ~15 steps, the job would finish sooner than the restart below needs, and the page
+        # would show 1.0x layers. This test is about watching compression live: pin it on.
+        "compression": {"link_aware": False},
     }  # fmt: skip
     with LiveServer(make_settings(db, head)) as server, chromium_page() as page:
         api = httpx.Client(base_url=server.url, timeout=30)
