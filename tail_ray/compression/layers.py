@@ -64,7 +64,7 @@ def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int
 
 def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
     """Decode records to flat fp32 tensors; quantized layers through the fast numba kernel."""
-    from tail_ray.compression.peers import records_to_tensors
+    from tail_ray.compression.raw import records_to_tensors
 
     out: dict[str, torch.Tensor] = {}
     rest: list[LayerRecord] = []

@@ -39,4 +39,4 @@ def make_compressor(name: str, **settings: Any) -> Compressor:
 
 def _load_builtin() -> None:
     # Imported lazily so that each peer stays in its own module and registers itself.
-    from tail_ray.compression import peers, qsgd, tail, topk  # noqa: F401
+    from tail_ray.compression import qsgd, raw, tail, topk  # noqa: F401

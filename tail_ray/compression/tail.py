@@ -41,7 +41,7 @@ from tail_ray.compression.quantize import (
     quantize_finite,
     sum_squares,
 )
-from tail_ray.compression.recorded import RecordCompressor
+from tail_ray.compression.record_compressor import RecordCompressor
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Fixed-setting peers Tail is compared against, one small class each."""
+"""The "none" compressor: every layer raw fp32 (the exact reference for the payload path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the record-producing compressors (qsgd, topk, tail) share around ``compress_records``.
+"""RecordCompressor: what the record-producing compressors (qsgd, topk, tail) share."""
 
 Each of them turns gradients into ``LayerRecord``s its own way; everything after that is the
 same: encode the records with per-layer stats, keep them so the hook can take this rank's own
