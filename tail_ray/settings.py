@@ -9,7 +9,7 @@ everywhere: what was given, and what is accepted.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from tail_ray.errors import ConfigError
@@ -20,6 +20,13 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class NoSettings:
     """The settings of a method that takes none (none, fp16, bf16)."""
+
+
+def coerce_fields(settings: object, **casts: Callable[[Any], Any]) -> None:
+    """In a frozen settings dataclass's ``__post_init__``: store ``cast(value)`` for each named
+    field (YAML and ``--set`` give ``4.0`` for 4 or ``1`` for true), after validation."""
+    for name, cast in casts.items():
+        object.__setattr__(settings, name, cast(getattr(settings, name)))
 
 
 def setting_names(cls: type[Any]) -> list[str]:

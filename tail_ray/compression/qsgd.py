@@ -18,8 +18,9 @@ from tail_ray.bitwidth.stats import relative_errors
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import CompressedLayer
 from tail_ray.compression.quantize import layer_seed
-from tail_ray.compression.record_compressor import RecordCompressor, feedback_for
+from tail_ray.compression.record_compressor import RecordCompressor
 from tail_ray.errors import ConfigError
+from tail_ray.settings import coerce_fields
 
 # Elements sampled for the stats' estimated relative error (same estimator as Tail's controller).
 _STATS_SAMPLE_NUMEL = 4096
@@ -42,10 +43,7 @@ class QSGDConfig:
             raise ConfigError(f"qsgd bits must be in 2..8, got {self.bits}")
         if not 1 <= int(self.bucket_size) <= 1 << 20:
             raise ConfigError(f"qsgd bucket_size must be in 1..{1 << 20}, got {self.bucket_size}")
-        object.__setattr__(self, "bits", int(self.bits))
-        object.__setattr__(self, "bucket_size", int(self.bucket_size))
-        object.__setattr__(self, "raw_below_numel", int(self.raw_below_numel))
-        object.__setattr__(self, "error_feedback", bool(self.error_feedback))
+        coerce_fields(self, bits=int, bucket_size=int, raw_below_numel=int, error_feedback=bool)
 
 
 class QSGDCompressor(RecordCompressor):
@@ -53,10 +51,7 @@ class QSGDCompressor(RecordCompressor):
 
     def __init__(self, config: QSGDConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else QSGDConfig()
-        super().__init__(
-            raw_below_numel=self.config.raw_below_numel,
-            feedback=feedback_for(self.config.error_feedback, feedback, self.name),
-        )
+        super().__init__(self.config, feedback=feedback)
         self.bits = self.config.bits
         self.bucket_size = self.config.bucket_size
         self._seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,14 +45,15 @@ from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
 
 
-def feedback_for(enabled: bool, given: ErrorFeedback | None, name: str) -> ErrorFeedback | None:
-    """The error-feedback memory a compressor runs with: ``given`` (injected, e.g. one kept on
-    another device or shared with a second stage), a fresh one, or None when ``enabled`` is off."""
-    if not enabled:
-        if given is not None:
-            raise ConfigError(f"{name}: an error-feedback memory was given but error_feedback is false")
-        return None
-    return given if given is not None else ErrorFeedback()
+class RecordSettings(Protocol):
+    """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,
+    TailConfig): the raw policy's threshold and whether error feedback is on."""
+
+    @property
+    def raw_below_numel(self) -> int: ...
+
+    @property
+    def error_feedback(self) -> bool: ...
 
 
 class RecordCompressor(Compressor):
@@ -60,10 +61,17 @@ class RecordCompressor(Compressor):
 
     name = "record"
 
-    def __init__(self, *, raw_below_numel: int, feedback: ErrorFeedback | None) -> None:
+    def __init__(self, settings: RecordSettings, *, feedback: ErrorFeedback | None = None) -> None:
+        """``feedback``: the error-feedback memory to run with (injected, e.g. one kept on another
+        device or shared with a second stage); a fresh one when None; none at all when
+        ``settings.error_feedback`` is off."""
         super().__init__()
-        self.raw_below_numel = int(raw_below_numel)
-        self.feedback = feedback
+        self.raw_below_numel = int(settings.raw_below_numel)
+        if not settings.error_feedback and feedback is not None:
+            raise ConfigError(f"{self.name}: an error-feedback memory was given but error_feedback is false")
+        self.feedback: ErrorFeedback | None = None
+        if settings.error_feedback:
+            self.feedback = feedback if feedback is not None else ErrorFeedback()
         self._own_records: list[LayerRecord] | None = None  # what the latest ``compress`` sent
 
     # --- sending: the template ------------------------------------------------------------

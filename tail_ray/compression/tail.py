@@ -30,7 +30,7 @@ from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import CompressedLayer, sample_stack
 from tail_ray.compression.quantize import layer_seed
-from tail_ray.compression.record_compressor import RecordCompressor, feedback_for
+from tail_ray.compression.record_compressor import RecordCompressor
 from tail_ray.compression.wire import LayerRecord
 from tail_ray.errors import ConfigError
 
@@ -147,10 +147,7 @@ class TailCompressor(RecordCompressor):
 
     def __init__(self, config: TailConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else TailConfig()
-        super().__init__(
-            raw_below_numel=self.config.raw_below_numel,
-            feedback=feedback_for(self.config.error_feedback, feedback, self.name),
-        )
+        super().__init__(self.config, feedback=feedback)
         self._seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)
         self.controller = BitController(
             BudgetPolicy(self.config.budget_settings()),

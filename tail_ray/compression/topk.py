@@ -12,9 +12,10 @@ import numpy as np
 
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.layers import CompressedLayer
-from tail_ray.compression.record_compressor import RecordCompressor, feedback_for
+from tail_ray.compression.record_compressor import RecordCompressor
 from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import ConfigError
+from tail_ray.settings import coerce_fields
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,7 @@ class TopKConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.density, int | float) and 0 < self.density <= 1):
             raise ConfigError(f"topk density must be in (0, 1], got {self.density!r}")
-        object.__setattr__(self, "density", float(self.density))
-        object.__setattr__(self, "raw_below_numel", int(self.raw_below_numel))
-        object.__setattr__(self, "error_feedback", bool(self.error_feedback))
+        coerce_fields(self, density=float, raw_below_numel=int, error_feedback=bool)
 
 
 class TopKCompressor(RecordCompressor):
@@ -40,10 +39,7 @@ class TopKCompressor(RecordCompressor):
 
     def __init__(self, config: TopKConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else TopKConfig()
-        super().__init__(
-            raw_below_numel=self.config.raw_below_numel,
-            feedback=feedback_for(self.config.error_feedback, feedback, self.name),
-        )
+        super().__init__(self.config, feedback=feedback)
         self.density = self.config.density
 
     def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
