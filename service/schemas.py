@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from tail_ray.runner.config import METHODS, OPTIMIZERS, JobConfig
+from tail_ray.methods import METHODS
+from tail_ray.runner.config import OPTIMIZERS, JobConfig
 from tail_ray.runner.datasets import dataset_names
 from tail_ray.runner.models import model_names
 from tail_ray.runner.trainer import validate_job
