@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,6 +131,36 @@ def sample_stack(records: list[LayerRecord], stride: int) -> torch.Tensor:
     return torch.stack([sample_flat(r, stride) for r in records]).double()
 
 
+def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
+    """Elements [start, stop) of a record, as a record of the same kind under the same name
+    (views, no copies): what a sharded collective sends one slice's owner. A quantized record
+    is cut between its buckets, so ``start`` must be a multiple of its bucket size; levels and
+    scales are then exactly what the whole record holds there."""
+    if not 0 <= start <= stop <= rec.numel:
+        raise ValueError(f"slice [{start}, {stop}) outside layer {rec.name!r} of {rec.numel} elements")
+    if start == 0 and stop == rec.numel:
+        return rec
+    n = stop - start
+    if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
+        if start % rec.bucket_size:
+            raise ValueError(
+                f"slice of layer {rec.name!r} starts at {start}, inside a bucket of {rec.bucket_size}"
+            )
+        first = start // rec.bucket_size
+        return dataclasses.replace(
+            rec,
+            numel=n,
+            levels=rec.levels.reshape(-1)[start:stop],
+            scales=rec.scales[first : first + n_buckets(n, rec.bucket_size)],
+        )
+    if rec.kind in (Kind.RAW_F32, Kind.RAW_F16) and rec.values is not None:
+        return dataclasses.replace(rec, numel=n, values=rec.values.reshape(-1)[start:stop])
+    if rec.kind == Kind.SPARSE_F32 and rec.indices is not None and rec.values is not None:
+        lo, hi = np.searchsorted(rec.indices, [start, stop])
+        return dataclasses.replace(rec, numel=n, indices=rec.indices[lo:hi] - start, values=rec.values[lo:hi])
+    raise CodecError(f"record of kind {rec.kind} lacks its arrays", layer=rec.name, field="kind")
+
+
 @dataclass(frozen=True, slots=True)
 class CompressedLayer:
     """What compressing one layer gave: its record, the engine's estimate of the relative
@@ -149,3 +180,11 @@ def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[La
         for layer, cost in zip(layers, costs, strict=True)
     ]
     return payload, stats
+
+
+def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[LayerStats]) -> LayerStats:
+    """One layer's stats when it was sent as slices (a sharded collective): the whole layer's
+    bits, density and error, the bytes of all its slices, and the code that carried most."""
+    biggest = max(slices, key=lambda s: s.encoded_bytes)
+    cost = EncodedLayer(layer.record.name, sum(s.encoded_bytes for s in slices), biggest.code)
+    return layer_stats(layer.record, cost, layer.rel_error, layer.nnz)

@@ -17,10 +17,19 @@ their norms; ``fold_residuals`` and ``state_dict`` / ``load_state_dict`` of the 
 defined here once. Subclasses add hooks where they need them: ``begin_call`` (counters
 before a call's layers), ``observe_peers`` (a controller's view of every rank's records) and
 ``state_dict`` / ``load_state_dict`` extensions.
+
+Sharded collectives (``compress_shards``): the layers are compressed exactly as by
+``compress`` (one step of error feedback and of the controller per layer, on the whole layer),
+then each record is cut into the shards' slices (``layers.slice_record``: between quantizer
+buckets, so the levels and scales sent are the same) and every shard is encoded into its own
+payload. ``second_stage`` is a fresh instance of the same class from the same settings (the
+seed salted, so its rounding is independent of the first stage's), with its own residuals.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -38,11 +47,19 @@ from tail_ray.compression.layers import (
     encode_with_stats,
     raw_record,
     records_to_flat,
+    slice_record,
+    sliced_layer_stats,
     warn_nonfinite,
 )
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
 from tail_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Salt of a spawned compressor's seed: its stochastic rounding must not replay its parent's.
+_SPAWN_SEED_SALT = 0x9E3779B9
 
 
 class RecordSettings(Protocol):
@@ -60,12 +77,14 @@ class RecordCompressor(Compressor):
     """Base of QSGDCompressor, TopKCompressor and TailCompressor; see the module docstring."""
 
     name = "record"
+    shardable = True
 
     def __init__(self, settings: RecordSettings, *, feedback: ErrorFeedback | None = None) -> None:
         """``feedback``: the error-feedback memory to run with (injected, e.g. one kept on another
         device or shared with a second stage); a fresh one when None; none at all when
         ``settings.error_feedback`` is off."""
         super().__init__()
+        self.settings = settings
         self.raw_below_numel = int(settings.raw_below_numel)
         if not settings.error_feedback and feedback is not None:
             raise ConfigError(f"{self.name}: an error-feedback memory was given but error_feedback is false")
@@ -80,6 +99,50 @@ class RecordCompressor(Compressor):
         payload, self._last_stats = encode_with_stats(layers)
         self._own_records = [layer.record for layer in layers]
         return payload
+
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        layers = {layer.record.name: layer for layer in self.compress_records(grads)}
+        payloads: list[bytes] = []
+        slice_stats: dict[str, list[LayerStats]] = {name: [] for name in layers}
+        own: list[LayerRecord] | None = None
+        for k, shard in enumerate(shards):
+            cut = []
+            for name, part in shard.items():
+                layer = layers[name]
+                start, stop, _ = part.indices(layer.record.numel)
+                cut.append(CompressedLayer(slice_record(layer.record, start, stop), layer.rel_error))
+            payload, stats = encode_with_stats(cut)
+            for st in stats:
+                slice_stats[st.layer].append(st)
+            payloads.append(payload)
+            if k == own_shard:
+                own = [c.record for c in cut]
+        self._last_stats = [
+            sliced_layer_stats(layer, slice_stats[name])
+            for name, layer in layers.items()
+            if slice_stats[name]
+        ]
+        self._own_records = own
+        return payloads
+
+    def second_stage(self) -> RecordCompressor:
+        return self.spawn()
+
+    def spawn(self) -> RecordCompressor:
+        """A fresh instance from the same settings (a set seed salted: independent rounding)."""
+        # Settings are frozen dataclasses (the registry builds them); a set seed is salted.
+        values = dataclasses.asdict(self.settings)  # type: ignore[call-overload]
+        settings = self.settings
+        if values.get("seed") is not None:
+            seed = (int(values["seed"]) * _SPAWN_SEED_SALT + 1) & 0xFFFF_FFFF
+            settings = dataclasses.replace(settings, seed=seed)  # type: ignore[type-var]
+        return type(self)(settings)
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[CompressedLayer]:
         """The engine's part of ``compress``: everything but the wire's encoding."""
@@ -165,6 +228,9 @@ class RecordCompressor(Compressor):
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
         if self.feedback is not None:
             self.feedback.fold_into(grads)
+
+    def residuals_of(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {str(name): torch.as_tensor(e).reshape(-1) for name, e in dict(state["residuals"]).items()}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"residuals": {name: tensor}}``; subclasses add their own keys."""

@@ -163,11 +163,19 @@ class TailCompressor(RecordCompressor):
         # number of compressed steps (steps the link-aware switch sent plain are not counted).
         self._layer_steps: dict[str, int] = {}
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
+        # Budgets of the second stages made from this compressor (second_stage): they are told
+        # the SGD noise of the MEAN, measured here on the shard this rank owns.
+        self._mean_budgets: list[BudgetPolicy] = []
 
     @property
     def step(self) -> int:
         """Steps seen so far (the most calls any layer has had)."""
         return max(self._layer_steps.values(), default=0)
+
+    @property
+    def shard_alignment(self) -> int:
+        """Slices are cut between quantizer buckets."""
+        return self.config.bucket_size
 
     # --- sending -------------------------------------------------------------------------
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -195,6 +203,16 @@ class TailCompressor(RecordCompressor):
         seed = layer_seed(self._seed, step, name)
         record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed)
         return CompressedLayer(record, plan.rel_error, nnz)
+
+    def second_stage(self) -> TailCompressor:
+        """A Tail compressor for the mean an owner re-compresses, with its own residuals and a
+        budget relative to the mean's own SGD noise: the mean of W workers has 1/W of one
+        worker's SGD noise, so its second-stage error is held to ``noise_fraction`` of that
+        (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
+        stage = self.spawn()
+        assert isinstance(stage, TailCompressor)
+        self._mean_budgets.append(stage.controller.policy)
+        return stage
 
     # --- signals from the collective / trainer ---------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -233,6 +251,15 @@ class TailCompressor(RecordCompressor):
             # one's: late in training single misclassified samples make one worker's gradient
             # 1000x another's for a step.
             policy.observe_spread(name, spread, compression, mean_sq - compression)
+            if self._mean_budgets:
+                # The second stage compresses the mean m of these W decoded gradients. Its SGD
+                # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
+                # compression noise the mean still carries (compression / W).
+                mean_row = stack.mean(dim=0)
+                m_sq = float(mean_row.pow(2).sum()) / n_sample
+                sgd = max(0.0, spread - compression) / world
+                for budget in self._mean_budgets:
+                    budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
