@@ -163,10 +163,11 @@ class ShardedExchange(Exchange):
         sums, gather = all_to_all_bytes([summed] * world, self.group, device=device)
         t5 = time.perf_counter()
         sums = _unseal_all(sums, stage=2, shards=list(range(world)), digests=digests)
-        for owner, shard in enumerate(shards):
-            # Shard by shard, every rank (the owner from its own records: the same bits).
+        # Shard by shard, its own first: a compressor hands out the records of its latest
+        # compress to the next aggregate only (the owner's own shard: the same bits, not decoded).
+        for owner in [rank, *(j for j in range(world) if j != rank)]:
             own = 0 if owner == rank else None
-            self.stage_two.aggregate([sums[owner]], shard_views(flat, shard), own=own)
+            self.stage_two.aggregate([sums[owner]], shard_views(flat, shards[owner]), own=own)
         t6 = time.perf_counter()
         return ExchangeReport(
             stats=stats,
