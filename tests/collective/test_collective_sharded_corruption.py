@@ -141,7 +141,7 @@ def test_bad_shard_payload_fails_the_receiver_with_codec_error_and_nobody_hangs(
         assert step <= out.get("failed_step", 99) <= step + 1, (r, out)
         assert out["failed_after_s"] < COLLECTIVE_TIMEOUT_S / 2, (r, out)
     print(
-        f"\n{mode}: "
+        f"\n{mode} (group wall {wall_s:.0f} s): "
         + ", ".join(f"rank {r} {o.get('chain', ['ok'])[0][:80]}" for r, o in sorted(outs.items()))
     )
 
