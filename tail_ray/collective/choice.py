@@ -53,6 +53,8 @@ def resolve(
     without a node layout, is a ``ConfigError`` that says what to do instead.
     """
     choice = Collective.parse(choice)
+    if world_size <= 1:
+        return Collective.ALLGATHER  # nothing is exchanged: the local round trip (register.py)
     if choice == Collective.AUTO:
         if world_size <= 2 or not shardable:
             return Collective.ALLGATHER

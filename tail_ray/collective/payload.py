@@ -95,7 +95,7 @@ class PayloadHookState(HookState):
             raise ConfigError(f"shard_min_numel must be an integer >= 1, got {shard_min_numel!r}")
         if layout is not None and not isinstance(layout, NodeLayout):
             raise ConfigError(f"layout must be a NodeLayout, got {type(layout).__name__}")
-        self.compressor = compressor
+        self._compressor = compressor
         self.requested_collective = Collective.parse(collective)
         self.layout = layout
         self.shard_min_numel = shard_min_numel
@@ -138,6 +138,17 @@ class PayloadHookState(HookState):
             layout=layout,
             shard_min_numel=shard_min_numel,  # type: ignore[arg-type]
         )
+
+    @property
+    def compressor(self) -> Compressor:
+        """The compressor every exchange of this state drives (stage one of a sharded one)."""
+        return self._compressor
+
+    @compressor.setter
+    def compressor(self, compressor: Compressor) -> None:
+        # A new compressor means a new exchange around it (a second stage starts afresh).
+        self._compressor = compressor
+        self.exchange = self._make_exchange()
 
     def _make_exchange(self) -> Exchange:
         if self.collective == Collective.SHARDED:
@@ -235,6 +246,11 @@ class PayloadHookState(HookState):
         log.info(
             "resize: carrying what %d old ranks owed the mean on %d layers", len(states), len(self._carried)
         )
+
+    @property
+    def carried(self) -> dict[str, torch.Tensor]:
+        """What a resize still has to add into the next gradients (flat, by layer); empty after."""
+        return dict(self._carried)
 
     def carry_into(self, layers: Mapping[str, torch.Tensor]) -> None:
         """Add what a resized job's old ranks owed the mean into these gradients (once)."""

@@ -38,10 +38,11 @@ SIZE_BYTES = 8  # one int64 length per rank in the size exchange
 class GatherTraffic:
     """What one variable-size all-gather moved, from this rank's point of view.
 
-    ``bytes_sent``: what this rank handed to the collectives: its length word plus its
-    payload padded to the longest payload. ``bytes_received``: what arrived from the other
-    ranks: their length words plus their padded payloads. ``payload_bytes``: this rank's
-    payload before padding.
+    ``bytes_sent``: what this rank's link carried out: gloo's (and NCCL's) ring all-gather
+    passes every rank's chunk on around the ring, so each rank sends W-1 chunks (its own and
+    W-2 it forwards), each a length word plus a payload padded to the longest. With two
+    ranks that is its own chunk once. ``bytes_received``: as many (W-1 chunks arrive).
+    ``payload_bytes``: this rank's payload before padding.
     """
 
     bytes_sent: int
@@ -89,7 +90,7 @@ def all_gather_bytes(
 
     out = [_to_bytes(buf[:n]) for buf, n in zip(recv, lengths, strict=True)]
     traffic = GatherTraffic(
-        bytes_sent=SIZE_BYTES + padded,
+        bytes_sent=(world_size - 1) * (SIZE_BYTES + padded),
         bytes_received=(world_size - 1) * (SIZE_BYTES + padded),
         payload_bytes=len(payload),
         padded_bytes=padded,

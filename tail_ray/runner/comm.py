@@ -23,6 +23,7 @@ from tail_ray.collective import (
     method_spec,
     register_tail_hook,
 )
+from tail_ray.collective.topology import NodeLayout
 
 
 def compression_settings(method: str, config: Mapping[str, Any], *, seed: int, rank: int) -> dict[str, Any]:
@@ -43,15 +44,24 @@ class Comm:
     """Gradient communication for one worker."""
 
     def __init__(
-        self, model: nn.Module, method: str, config: Mapping[str, Any], *, seed: int = 0, rank: int = 0
+        self,
+        model: nn.Module,
+        method: str,
+        config: Mapping[str, Any],
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        layout: NodeLayout | None = None,
     ) -> None:
+        """``layout``: this worker's node layout from Ray Train's context (the hierarchical
+        collective reduces plainly inside a node; "auto" picks it for several multi-rank nodes)."""
         self.method = method
         self._model = model
         settings = compression_settings(method, config, seed=seed, rank=rank)
         self.state: HookState
         if isinstance(model, nn.parallel.DistributedDataParallel):
             self._local = False
-            self.state = register_tail_hook(model, method=method, config=settings)
+            self.state = register_tail_hook(model, method=method, config=settings, layout=layout)
         else:
             self._local = True
             self.state = make_hook_state(model, method, settings)

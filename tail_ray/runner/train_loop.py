@@ -19,6 +19,7 @@ import ray.train.torch
 import torch
 
 from tail_ray.collective import HookStepMetrics
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.metrics.client import MetricsClient
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.metrics.sink import get_or_create_sink
@@ -31,6 +32,7 @@ from tail_ray.runner.models import evaluate, loss_fn, make_model
 logger = logging.getLogger(__name__)
 
 METRICS_CLOSE_TIMEOUT_S = 5.0
+STAGE_TWO_SUFFIX = "@stage2"  # layer name suffix of a sharded collective's second-stage records
 
 
 def make_optimizer(cfg: JobConfig, params: Any) -> torch.optim.Optimizer:
@@ -68,6 +70,25 @@ def step_records(
         ).to_dict()
         for s in comm.layers
     ]
+    # The second stage of a sharded collective, for the layer slices this worker owns: its own
+    # rows (layer "<name>@stage2"), so the dashboard shows both stages' bits and error.
+    out += [
+        LayerMetric(
+            job_id=job_id,
+            step=step,
+            rank=rank,
+            layer=f"{s.layer}{STAGE_TWO_SUFFIX}",
+            numel=s.numel,
+            bits=s.bits,
+            density=s.density,
+            raw_bytes=s.raw_bytes,
+            encoded_bytes=s.encoded_bytes,
+            ratio=s.ratio,
+            rel_error=s.rel_error,
+            code=s.code,
+        ).to_dict()
+        for s in comm.stage_two
+    ]
     out.append(
         StepMetric(
             job_id=job_id,
@@ -100,7 +121,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     dataset = make_dataset(cfg.dataset, cfg.seed)
     model = ray.train.torch.prepare_model(make_model(cfg.model, dataset, cfg.seed))
     optimizer = make_optimizer(cfg, model.parameters())
-    comm = Comm(model, cfg.method, cfg.compression, seed=cfg.seed, rank=rank)
+    # Which workers share a node, as Ray Train placed them (never guessed from ranks).
+    layout = NodeLayout(
+        node_rank=ctx.get_node_rank(),
+        local_rank=ctx.get_local_rank(),
+        local_world_size=ctx.get_local_world_size(),
+    )
+    comm = Comm(model, cfg.method, cfg.compression, seed=cfg.seed, rank=rank, layout=layout)
 
     start_step, totals = 0, {"bytes_sent": 0.0, "bytes_received": 0.0, "raw_bytes": 0.0, "steps": 0.0}
     checkpoint = ray.train.get_checkpoint()
