@@ -1,8 +1,9 @@
-"""Convergence benchmark: every compression method, same seed and steps, 2 workers.
+"""Convergence benchmark: every compression method, same seed and steps, W workers (default 2).
 
     python -m jobs.bench_convergence [--quick] [--json PATH] [--tasks digits,lm] [--methods none,tail]
+                                     [--world-size W] [--collective auto|allgather|sharded|hierarchical]
 
-Two worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
+W worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
 train each (task, method) through the SAME comm hook code the Ray Train jobs use
 (tail_ray.collective.register_tail_hook). Tasks, with the settings of jobs/configs:
 - digits: digits_cnn on scikit-learn's digits, SGD momentum 0.9, lr 0.05 dropped x0.1 at 75%;
@@ -14,8 +15,11 @@ warm-up phases), wall time per step and its compress / communicate / decode part
 the first steps, which include numba's JIT), and for tail the bits, tau and noise estimate it
 ended with. Speeds are reported, never asserted (the machine is shared and noisy).
 
-Traffic: bytes this worker handed to the collectives (all-gather: size word + padded
-payload; all-reduce: the ring model 2*(W-1)/W of the reduced bytes), see docs/collective.md.
+Traffic: bytes this worker sent (all-gather: W-1 chunks of size word + padded payload;
+sharded: its slices and its compressed sums to the other ranks; all-reduce: the ring model
+2*(W-1)/W of the reduced bytes), see docs/collective.md. The payload methods run the
+``--collective`` given (default: each method's own default, "auto": all-gather at W = 2,
+sharded from W = 3 on). Each worker's batch is the task's batch size at every W.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import torch
 from torch import nn
 
 from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
+from tail_ray.collective.choice import Collective
 from tail_ray.collective.launch import run_local_group
 from tail_ray.compression.tail import TailCompressor
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
 
 SEED = 0
-WORLD_SIZE = 2
+WORLD_SIZE = 2  # default; --world-size
 WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
 
 
@@ -94,6 +99,8 @@ class RunResult:
     tail_tau: dict[str, float] | None = None  # layer -> tau at the end
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
     tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
+    world_size: int = WORLD_SIZE
+    collective: str = "allreduce"  # the collective a payload method ran
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -120,7 +127,16 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
     return out
 
 
-def _train_one(rank: int, task: Task, label: str, method: str, config: Any, steps: int) -> RunResult | None:
+def _train_one(
+    rank: int,
+    world_size: int,
+    task: Task,
+    label: str,
+    method: str,
+    config: Any,
+    steps: int,
+    collective: str | None,
+) -> RunResult | None:
     ds = make_dataset(task.dataset, seed=SEED)
     model = make_model(task.model, ds, seed=SEED)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -129,6 +145,8 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         # This benchmark measures what compression does to accuracy and traffic. Its two ranks
         # share one host, where the link-aware switch would (rightly) send plain all-reduce.
         settings.setdefault("link_aware", False)
+        if collective is not None:
+            settings.setdefault("collective", collective)
     state = register_tail_hook(ddp, method, settings or None)
     opt = _optimizer(task, ddp.parameters())
     drop_step = int(task.lr_drop_at * steps)
@@ -147,7 +165,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         for group in opt.param_groups:
             group["lr"] = lr
         state.set_lr(lr)
-        x, y = ds.batch(seed=SEED, step=step, rank=rank, world_size=WORLD_SIZE, batch_size=task.batch_size)
+        x, y = ds.batch(seed=SEED, step=step, rank=rank, world_size=world_size, batch_size=task.batch_size)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ds, ddp(x), y)
         loss.backward()
@@ -170,6 +188,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         loss_value = float(loss.detach())
     if rank != 0:
         return None
+    collective_run = state.collective if isinstance(state, PayloadHookState) else None
     extra = _tail_details(state, bits_elems) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
@@ -188,15 +207,23 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         compress_s_per_step=_steady_mean(compress_s),
         comm_s_per_step=_steady_mean(comm_s),
         decode_s_per_step=_steady_mean(decode_s),
+        world_size=world_size,
+        collective=str(collective_run) if collective_run is not None else "allreduce",
         **extra,
     )
 
 
-def _worker(rank: int, world_size: int, plan: list[tuple[str, str, str, Any, int]], out_path: str) -> None:
-    # Same process pair for every run: spawning and importing costs seconds on a busy machine.
+def _worker(
+    rank: int,
+    world_size: int,
+    plan: list[tuple[str, str, str, Any, int]],
+    out_path: str,
+    collective: str | None,
+) -> None:
+    # Same processes for every run: spawning and importing costs seconds on a busy machine.
     results = []
     for task_name, label, method, config, steps in plan:
-        res = _train_one(rank, TASKS[task_name], label, method, config, steps)
+        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective)
         if res is not None:
             results.append(asdict(res))
             # Written after every run, so a crash late in the plan keeps what finished.
@@ -210,6 +237,8 @@ def run(
     timeout_s: float,
     tail_variants: list[dict[str, Any]] | None = None,
     steps: int | None = None,
+    world_size: int = WORLD_SIZE,
+    collective: str | None = None,
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
@@ -221,7 +250,7 @@ def run(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_local_group(_worker, WORLD_SIZE, (plan, str(out)), timeout_s=timeout_s)
+        run_local_group(_worker, world_size, (plan, str(out), collective), timeout_s=timeout_s)
         return json.loads(out.read_text())
 
 
@@ -238,7 +267,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
         rows = [r for r in results if r["task"] == task]
         base = next((r for r in rows if r["method"] == "none"), None)
         metric = TASKS[task].metric
-        print(f"\n== {task} ({rows[0]['steps']} steps, {WORLD_SIZE} workers, gloo)")
+        collectives = sorted({r.get("collective", "allreduce") for r in rows} - {"allreduce"})
+        print(
+            f"\n== {task} ({rows[0]['steps']} steps, {rows[0].get('world_size', WORLD_SIZE)} workers, gloo"
+            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''})"
+        )
         print(
             f"{'method':<12} {metric:>12} {'vs none':>9} {'sent/step':>11} {'reduction':>10} {'2nd half':>9} "
             f"{'step ms':>8} {'comp ms':>8} {'comm ms':>8} {'dec ms':>7}"
@@ -294,6 +327,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(
+        "--world-size", type=int, default=WORLD_SIZE, help="worker processes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--collective",
+        choices=[c.value for c in Collective],
+        help="the payload methods' collective (default: their own default, auto)",
+    )
+    parser.add_argument(
         "--tail-variant",
         action="append",
         default=[],
@@ -319,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
-    results = run(tasks, methods, args.quick, args.timeout_s, variants, args.steps)
+    if args.world_size < 2:
+        parser.error("--world-size must be >= 2")
+    results = run(
+        tasks, methods, args.quick, args.timeout_s, variants, args.steps, args.world_size, args.collective
+    )
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)

@@ -27,7 +27,7 @@ plain reduction inside the node never leaves it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from tail_ray.collective.exchange import (
     plain_stats,
 )
 from tail_ray.collective.sharded import STAGE_TWO, ShardedExchange
-from tail_ray.collective.shards import MIN_SLICE_NUMEL, shard_layout, shard_views
+from tail_ray.collective.shards import MIN_SLICE_NUMEL, Shard, restrict, shard_layout, shard_views
 from tail_ray.collective.topology import NodeGroups, NodeLayout
 from tail_ray.compression.base import Compressor
 
@@ -59,14 +59,18 @@ class HierarchicalExchange(Exchange):
         group: dist.ProcessGroup | None,
         layout: NodeLayout,
         *,
+        model_layers: Sequence[tuple[str, int]] | None = None,
         min_slice_numel: int = MIN_SLICE_NUMEL,
     ) -> None:
         self.compressor = compressor
         self.group = group
         self.layout = layout
         self.min_slice_numel = min_slice_numel
+        self.model_layers = list(model_layers) if model_layers is not None else None
         self.nodes: NodeGroups | None = None
-        # The rail's exchange; its group is set once the groups exist.
+        self._parts: list[Shard] | None = None  # the model cut over the node's L ranks
+        # The rail's exchange; its group and its layers (this rank's parts) are set once the
+        # node layout is known.
         self.rail = ShardedExchange(compressor, None, min_slice_numel=min_slice_numel)
         self._part_offsets: dict[str, int] = {}  # where this rank's part of each layer starts
 
@@ -74,17 +78,26 @@ class HierarchicalExchange(Exchange):
         if self.nodes is None:
             self.nodes = NodeGroups.build(self.layout, self.group)
             self.rail.group = self.nodes.rail
+            if self.model_layers is not None:
+                self._parts = self._cut(self.model_layers, self.nodes.local_world_size)
+                mine = self._parts[self.nodes.local_rank]
+                self.rail.model_layers = [(name, part.stop - part.start) for name, part in mine.items()]
         return self.nodes
 
-    def _part(self, flat: Mapping[str, torch.Tensor], nodes: NodeGroups) -> dict[str, torch.Tensor]:
-        """This rank's part of the bucket (views), recording where each layer's part starts."""
-        layers = tuple((name, t.numel()) for name, t in flat.items())
-        shards = shard_layout(
+    def _cut(self, layers: Sequence[tuple[str, int]], world_size: int) -> list[Shard]:
+        return shard_layout(
             layers,
-            nodes.local_world_size,
+            world_size,
             alignment=self.compressor.shard_alignment,
             min_slice_numel=self.min_slice_numel,
         )
+
+    def _part(self, flat: Mapping[str, torch.Tensor], nodes: NodeGroups) -> dict[str, torch.Tensor]:
+        """This rank's part of the bucket (views), recording where each layer's part starts."""
+        if self._parts is not None:
+            shards = restrict(self._parts, list(flat))
+        else:
+            shards = self._cut([(name, t.numel()) for name, t in flat.items()], nodes.local_world_size)
         mine = shards[nodes.local_rank]
         for name, part in mine.items():
             self._part_offsets[name] = part.start

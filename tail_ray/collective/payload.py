@@ -151,12 +151,20 @@ class PayloadHookState(HookState):
         self.exchange = self._make_exchange()
 
     def _make_exchange(self) -> Exchange:
+        # The layouts are cut from the whole model (its parameters in order), never per bucket.
+        layers = list(self.param_numel.items())
         if self.collective == Collective.SHARDED:
-            return ShardedExchange(self.compressor, self.process_group, min_slice_numel=self.shard_min_numel)
+            return ShardedExchange(
+                self.compressor, self.process_group, model_layers=layers, min_slice_numel=self.shard_min_numel
+            )
         if self.collective == Collective.HIERARCHICAL:
             assert self.layout is not None  # resolve() refused hierarchical without one
             return HierarchicalExchange(
-                self.compressor, self.process_group, self.layout, min_slice_numel=self.shard_min_numel
+                self.compressor,
+                self.process_group,
+                self.layout,
+                model_layers=layers,
+                min_slice_numel=self.shard_min_numel,
             )
         return AllGatherExchange(self.compressor, self.process_group)
 

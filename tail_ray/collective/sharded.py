@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tail_ray.collective.exchange import MAIN, Exchange, ExchangeReport, Owed, flat_views, fold_scaled
-from tail_ray.collective.shards import MIN_SLICE_NUMEL, Shard, shard_layout, shard_views
+from tail_ray.collective.shards import MIN_SLICE_NUMEL, Shard, restrict, shard_layout, shard_views
 from tail_ray.collective.transport import all_to_all_bytes
 from tail_ray.compression.base import Compressor
 from tail_ray.errors import CodecError, ConfigError
@@ -101,8 +101,11 @@ class ShardedExchange(Exchange):
         compressor: Compressor,
         group: dist.ProcessGroup | None,
         *,
+        model_layers: Sequence[tuple[str, int]] | None = None,
         min_slice_numel: int = MIN_SLICE_NUMEL,
     ) -> None:
+        """``model_layers``: every parameter (name, elements) in the model's order: the layout
+        is cut from the whole model (shards.py). None: from each bucket's own layers."""
         if not compressor.shardable:
             raise ConfigError(
                 f"compressor {compressor.name!r} cannot run a sharded collective (it does not "
@@ -112,6 +115,8 @@ class ShardedExchange(Exchange):
         self.stage_two = compressor.second_stage()
         self.group = group
         self.min_slice_numel = min_slice_numel
+        self.model_layers = list(model_layers) if model_layers is not None else None
+        self._model_shards: dict[int, list[Shard]] = {}  # world size -> the model's shards
         self._layouts: dict[tuple[tuple[str, int], ...], tuple[list[Shard], list[int]]] = {}
         # Where this rank's stage-two residual of each layer starts (its slice): checkpoints.
         self._stage_two_offsets: dict[str, int] = {}
@@ -123,15 +128,30 @@ class ShardedExchange(Exchange):
         key = tuple((name, t.numel()) for name, t in flat.items())
         cached = self._layouts.get(key)
         if cached is None or len(cached[0]) != world_size:
-            shards = shard_layout(
-                key,
-                world_size,
-                alignment=self.compressor.shard_alignment,
-                min_slice_numel=self.min_slice_numel,
-            )
+            if self.model_layers is None:
+                shards = self._cut(key, world_size)
+            else:
+                model = self._model_shards.get(world_size)
+                if model is None:
+                    model = self._model_shards[world_size] = self._cut(self.model_layers, world_size)
+                sizes = dict(self.model_layers)
+                wrong = [(name, n) for name, n in key if sizes.get(name) != n]
+                if wrong:
+                    raise ValueError(
+                        f"layers {wrong} are not the model's (name, size): build the state from it"
+                    )
+                shards = restrict(model, [name for name, _ in key])
             cached = (shards, [layout_digest(shard) for shard in shards])
             self._layouts[key] = cached
         return cached
+
+    def _cut(self, layers: Sequence[tuple[str, int]], world_size: int) -> list[Shard]:
+        return shard_layout(
+            layers,
+            world_size,
+            alignment=self.compressor.shard_alignment,
+            min_slice_numel=self.min_slice_numel,
+        )
 
     # -- one bucket ------------------------------------------------------------------------------
 

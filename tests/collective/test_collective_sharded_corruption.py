@@ -8,8 +8,9 @@ From step 1 on, rank 1 misbehaves in one of three ways (test-only wrappers):
 - ``stage_two``: the compressed sum it sends as the owner of shard 1 has a damaged header.
   Every OTHER rank decodes it and fails with CodecError (rank 1 takes its own records).
 - ``layout``: it cuts its gradients with another shard layout (another ``shard_min_numel``:
-  a rank configured differently). The envelope's layout digest differs, so every rank
-  refuses what rank 1 sent, and rank 1 what the others sent, before decoding anything.
+  a rank configured differently). Where a shard is cut differently, the envelope's layout
+  digest differs: its owner refuses what rank 1 sent (and rank 1, if its own shard differs,
+  what the others sent) before decoding anything.
 
 In every case the receiver fails at once, and nobody waits for the collective timeout: a Ray
 Train job would tear the group down and restart it from the last checkpoint.
@@ -27,7 +28,8 @@ from torch.multiprocessing.spawn import ProcessExitedException
 
 from tail_ray.collective import register_tail_hook
 from tail_ray.collective.launch import run_local_group
-from tail_ray.collective.sharded import seal, unseal
+from tail_ray.collective.sharded import layout_digest, seal, unseal
+from tail_ray.collective.shards import shard_layout
 from tail_ray.errors import CodecError
 
 WORLD_SIZE = 4
@@ -104,11 +106,22 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
     torch.save(outcome, out_dir / f"rank{rank}.pt")
 
 
+def _ranks_whose_shard_differs() -> set[int]:
+    """Rank r refuses rank 1's payload for shard r (and rank 1 the others' for shard 1) when
+    shard r is cut differently under the two settings."""
+    layers = [(n, p.numel()) for n, p in _model().named_parameters()]
+    digests = [
+        [layout_digest(s) for s in shard_layout(layers, WORLD_SIZE, alignment=512, min_slice_numel=m)]
+        for m in (MIN_SLICE, 2 * MIN_SLICE)
+    ]
+    return {r for r in range(WORLD_SIZE) if digests[0][r] != digests[1][r]}
+
+
 # Which ranks must fail with CodecError (decoding or refusing a payload), and at which step.
 EXPECTED = {
     "truncated": ({0}, CORRUPT_FROM_STEP),
     "stage_two": ({0, 2, 3}, CORRUPT_FROM_STEP),
-    "layout": ({0, 1, 2, 3}, 0),
+    "layout": (_ranks_whose_shard_differs(), 0),
 }
 
 
@@ -130,6 +143,7 @@ def test_bad_shard_payload_fails_the_receiver_with_codec_error_and_nobody_hangs(
         assert 0 <= exc.error_index < WORLD_SIZE, exc
     wall_s = time.monotonic() - t0
     receivers, step = EXPECTED[mode]
+    assert receivers, "the scenario must make some rank receive a bad payload"
     outs = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)
             if (tmp_path / f"rank{r}.pt").exists()}  # fmt: skip
     for r in receivers:
