@@ -8,14 +8,16 @@
                   several nodes of several ranks each -> hierarchical
                   otherwise                           -> sharded
 
-Why "auto" needs no trial between the compressed collectives: from W = 3 on the sharded
-exchange sends fewer bytes ((W-1)/W x 2 payloads against W-1), decodes fewer payloads
-(the same ratio) and takes fewer latency rounds (4 all-to-alls against 2 rings of W-1 hops)
-than the all-gather, on any link. At W = 2 the two send and decode the same, and the
-all-gather quantizes once instead of twice. Across nodes the hierarchical exchange sends L x
-fewer bytes over the slow link than the sharded one. What does depend on the measured link
-is whether compressing pays at all: the link-aware switch (gate.py) times the chosen
-collective against plain all-reduce and sends each step the faster way.
+Why "auto" needs no trial between the compressed collectives (cost.py has the model): from
+W = 3 on the sharded exchange sends fewer bytes (2 (W-1)/W payloads against W-1) and decodes
+fewer payloads (the same ratio) than the all-gather; it takes twice the message rounds (4
+exchanges against 2), which outweighs the bytes saved only for small buckets: at W = 3 and
+50 us a round, payloads below ~40 kB on 1 Gbit/s (~400 kB on 10 Gbit/s), before counting the
+decoding it saves. At W = 2 the two send and decode the same,
+and the all-gather quantizes once instead of twice. Across nodes the hierarchical exchange
+sends L x fewer bytes over a node's link than the sharded one. What does depend on the
+measured link is whether compressing pays at all: the link-aware switch (gate.py) times the
+chosen collective against plain all-reduce and sends each step the faster way.
 """
 
 from __future__ import annotations

@@ -19,12 +19,16 @@ each: about two payloads per rank whatever W is, where the all-gather moves and 
 Every rank ends with the same bits: each slice's final value is what its owner's stage-two
 payload decodes to, on the owner too (its own records, not decoded, are the same bits).
 
-Framing: every payload travels in a 16-byte envelope of this collective's own (the
-compressor's payload inside is untouched): magic, stage, the shard it is for, and a digest
-of that shard's layout (layer names and element ranges). A payload meant for another shard,
-or cut by a rank that computed another layout (different settings, a different model), is
-refused by the receiver before the compressor decodes anything: a mismatched shard of the
-same layers and sizes would otherwise decode "fine" into the wrong elements.
+Framing: every payload travels in a 20-byte envelope of this collective's own (the
+compressor's payload inside is untouched): magic, stage, the shard it is for, a digest of
+that shard's layout (layer names and element ranges), and the length of the owner's
+controller report that precedes a stage-two payload (``Compressor.peer_report``: only the
+owner sees every worker's version of its shard, so only it can measure the SGD noise there;
+the report hands that to every other rank's controller, 32 bytes per layer of the shard).
+A payload meant for another shard, or cut by a rank that computed another layout (different
+settings, a different model), is refused by the receiver before the compressor decodes
+anything: a mismatched shard of the same layers and sizes would otherwise decode "fine" into
+the wrong elements.
 
 Errors: a bad or mismatched shard payload is a ``CodecError`` on the rank that receives it,
 before it writes anything; its peers' next collective then fails when that rank's process
@@ -49,9 +53,11 @@ from tail_ray.errors import CodecError, ConfigError
 
 STAGE_TWO = "stage_two"
 
-_ENVELOPE = struct.Struct("<4sBBHII")  # magic, version, stage, reserved, shard, layout digest
+# magic, version, stage, reserved, shard, layout digest, length of the controller's report
+_ENVELOPE = struct.Struct("<4sBBHIII")
 _MAGIC = b"TShd"
 _VERSION = 1
+_MAX_REPORT_BYTES = 1 << 24  # a report is a few numbers per layer: anything near this is garbage
 
 
 def layout_digest(shard: Shard) -> int:
@@ -60,19 +66,27 @@ def layout_digest(shard: Shard) -> int:
     return zlib.crc32(text.encode())
 
 
-def seal(payload: bytes, *, stage: int, shard: int, digest: int) -> bytes:
-    """The payload in this collective's envelope (see the module docstring)."""
-    return _ENVELOPE.pack(_MAGIC, _VERSION, stage, 0, shard, digest) + payload
+def seal(payload: bytes, *, stage: int, shard: int, digest: int, report: bytes = b"") -> bytes:
+    """The payload in this collective's envelope (see the module docstring), after the owner's
+    controller report (stage two: what it measured on its shard, for the other ranks)."""
+    return _ENVELOPE.pack(_MAGIC, _VERSION, stage, 0, shard, digest, len(report)) + report + payload
 
 
 def unseal(framed: bytes, *, stage: int, shard: int, digest: int, sender: int) -> bytes:
     """The payload inside ``framed``, after checking it is the one this rank expects from
     ``sender``; otherwise a ``CodecError`` naming the sender and what did not match."""
+    return unseal_with_report(framed, stage=stage, shard=shard, digest=digest, sender=sender)[0]
+
+
+def unseal_with_report(
+    framed: bytes, *, stage: int, shard: int, digest: int, sender: int
+) -> tuple[bytes, bytes]:
+    """``unseal``, and the controller report the envelope carries."""
     if len(framed) < _ENVELOPE.size:
         raise CodecError(
             f"rank {sender}'s stage-{stage} payload has {len(framed)} bytes, no envelope", field="envelope"
         )
-    magic, version, got_stage, _, got_shard, got_digest = _ENVELOPE.unpack_from(framed)
+    magic, version, got_stage, _, got_shard, got_digest, report_len = _ENVELOPE.unpack_from(framed)
     if magic != _MAGIC or version != _VERSION:
         raise CodecError(f"rank {sender}'s stage-{stage} payload is not a shard payload", field="envelope")
     if got_stage != stage or got_shard != shard:
@@ -87,7 +101,10 @@ def unseal(framed: bytes, *, stage: int, shard: int, digest: int, sender: int) -
             f"{digest:#x}): do all ranks run the same model and collective settings?",
             field="layout",
         )
-    return framed[_ENVELOPE.size :]
+    end = _ENVELOPE.size + report_len
+    if report_len > _MAX_REPORT_BYTES or end > len(framed):
+        raise CodecError(f"rank {sender}'s envelope claims a {report_len}-byte report", field="report")
+    return framed[end:], framed[_ENVELOPE.size : end]
 
 
 class ShardedExchange(Exchange):
@@ -175,14 +192,20 @@ class ShardedExchange(Exchange):
         pieces = _unseal_all(received, stage=1, shards=[rank] * world, digests=[digests[rank]] * world)
         self.compressor.aggregate(pieces, mine, own=rank)
         t3 = time.perf_counter()
-        summed = seal(self.stage_two.compress(mine), stage=2, shard=rank, digest=digests[rank])
+        # What the owner's controller measured there goes out with its compressed sum.
+        report = self.compressor.peer_report(list(shards[rank]))
+        summed = seal(self.stage_two.compress(mine), stage=2, shard=rank, digest=digests[rank], report=report)
         stage_two = list(self.stage_two.last_stats)
         for name, part in shards[rank].items():
             self._stage_two_offsets[name] = part.start
         t4 = time.perf_counter()
         sums, gather = all_to_all_bytes([summed] * world, self.group, device=device)
         t5 = time.perf_counter()
-        sums = _unseal_all(sums, stage=2, shards=list(range(world)), digests=digests)
+        opened = [
+            unseal_with_report(f, stage=2, shard=j, digest=digests[j], sender=j) for j, f in enumerate(sums)
+        ]
+        sums = [payload for payload, _ in opened]
+        self.compressor.observe_reports([(list(shards[j]), opened[j][1]) for j in range(world) if j != rank])
         # Shard by shard, its own first: a compressor hands out the records of its latest
         # compress to the next aggregate only (the owner's own shard: the same bits, not decoded).
         for owner in [rank, *(j for j in range(world) if j != rank)]:

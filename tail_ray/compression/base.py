@@ -25,6 +25,8 @@ where ``shardable`` is True:
     payloads = c.compress_shards(grads, shards, own_shard=k)   # one step, one payload per owner
     c.aggregate(received, {name: flat[slice]}, own=rank)       # the owner: mean of its slices
     c2 = c.second_stage()                                      # re-compresses the owner's mean
+    report = c.peer_report(names)                              # what the owner's aggregate measured
+    c.observe_reports([(names_j, report_j), ...])              # ... told to the other ranks
 
 A shard is a mapping ``{layer name: slice}`` of element ranges of the flat gradients;
 ``compress_shards`` runs error feedback and the controller once per layer, on the whole
@@ -33,6 +35,12 @@ the layer's own name. So a payload of shard k holds exactly the layers of
 ``{name: flat(grads[name])[s] for name, s in shards[k].items()}``, which is what the owner of
 shard k passes as ``into`` to ``aggregate``: ``aggregate`` needs no new semantics, it averages
 any number of payloads that each hold exactly the layers of ``into`` at ``into``'s sizes.
+
+Only the owner of a shard sees every rank's version of it, so only its controller can measure
+the spread between workers there (Tail's SGD-noise estimate). ``peer_report`` packs what its
+latest ``aggregate`` measured (a few numbers per layer, small next to any payload) and the
+collective hands it to the other ranks, whose ``observe_reports`` take it in: every rank's
+controller then sees every layer's noise, as it would after an all-gather.
 """
 
 from __future__ import annotations
@@ -113,6 +121,17 @@ class Compressor(ABC):
         as what ``compress`` returned for ``aggregate(own=...)``.
         """
         raise NotImplementedError(f"compressor {self.name!r} does not implement compress_shards")
+
+    def peer_report(self, names: Sequence[str]) -> bytes:
+        """What the latest ``aggregate`` measured about ``names`` (its ``into`` layers) that the
+        ranks which did not see those payloads need (a controller's noise estimate); empty
+        by default. Opaque bytes, read only by ``observe_reports`` of the same kind."""
+        return b""
+
+    def observe_reports(self, reports: Sequence[tuple[Sequence[str], bytes]]) -> None:
+        """Take in other ranks' ``peer_report(names)`` of this step, one per owner; a layer this
+        compressor measured itself this step keeps its own measurement. Nothing by default."""
+        return None  # a no-op by default
 
     def second_stage(self) -> Compressor:
         """A compressor for a collective's second stage: the owner of a shard re-compresses the

@@ -166,6 +166,9 @@ class TailCompressor(RecordCompressor):
         # Budgets of the second stages made from this compressor (second_stage): they are told
         # the SGD noise of the MEAN, measured here on the shard this rank owns.
         self._mean_budgets: list[BudgetPolicy] = []
+        # What observe_peers measured since the last compress (spread, compression, grad_sq,
+        # numel per layer): reported to the ranks that did not see those payloads.
+        self._measured: dict[str, tuple[float, float, float, float]] = {}
 
     @property
     def step(self) -> int:
@@ -179,6 +182,7 @@ class TailCompressor(RecordCompressor):
 
     # --- sending -------------------------------------------------------------------------
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
+        self._measured.clear()  # a new step of these layers: measurements start afresh
         for name in grads:  # every layer counts, raw ones too
             self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
 
@@ -231,7 +235,6 @@ class TailCompressor(RecordCompressor):
         world = len(records_by_rank)
         if world < 2:
             return
-        policy = self.controller.policy
         for name, first in records_by_rank[0].items():
             if first.numel < max(self.config.raw_below_numel, 1):
                 continue
@@ -250,7 +253,8 @@ class TailCompressor(RecordCompressor):
             # The gradient power from all workers (decoded minus compression), not just this
             # one's: late in training single misclassified samples make one worker's gradient
             # 1000x another's for a step.
-            policy.observe_spread(name, spread, compression, mean_sq - compression)
+            self._observe(name, spread, compression, mean_sq - compression)
+            self._measured[name] = (spread, compression, mean_sq - compression, float(first.numel))
             if self._mean_budgets:
                 # The second stage compresses the mean m of these W decoded gradients. Its SGD
                 # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
@@ -260,6 +264,39 @@ class TailCompressor(RecordCompressor):
                 sgd = max(0.0, spread - compression) / world
                 for budget in self._mean_budgets:
                     budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)
+
+    def _observe(self, name: str, spread: float, compression: float, grad_sq: float) -> None:
+        self.controller.policy.observe_spread(name, spread, compression, grad_sq)
+
+    def peer_report(self, names: Sequence[str]) -> bytes:
+        """(spread, compression, grad_sq, numel) per name as float64, NaN where unmeasured."""
+        nan = (math.nan,) * 4
+        values = [v for name in names for v in self._measured.get(name, nan)]
+        return np.asarray(values, dtype="<f8").tobytes()
+
+    def observe_reports(self, reports: Sequence[tuple[Sequence[str], bytes]]) -> None:
+        """Other owners' measurements: for each layer this rank did not measure itself, one
+        observation, the numel-weighted mean of the slices reported (several owners may hold
+        slices of one layer), so the running average moves once per step as after an
+        all-gather. A report of the wrong size is ignored (it only informs the budget)."""
+        merged: dict[str, list[float]] = {}
+        for names, blob in reports:
+            values = np.frombuffer(blob, dtype="<f8")
+            if values.size != 4 * len(names):
+                log.warning("peer report of %d bytes for %d layers: ignored", len(blob), len(names))
+                continue
+            for name, (spread, compression, grad_sq, numel) in zip(names, values.reshape(-1, 4), strict=True):
+                if name in self._measured or not all(
+                    math.isfinite(v) for v in (spread, compression, grad_sq)
+                ):
+                    continue
+                acc = merged.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+                for i, v in enumerate((spread, compression, grad_sq)):
+                    acc[i] += float(v) * float(numel)
+                acc[3] += float(numel)
+        for name, (spread, compression, grad_sq, weight) in merged.items():
+            if weight > 0:
+                self._observe(name, spread / weight, compression / weight, grad_sq / weight)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -172,6 +172,12 @@ def test_envelope_refuses_another_shard_or_another_layout() -> None:
     with pytest.raises(CodecError, match="another layout") as err:
         unseal(framed, stage=1, shard=2, digest=0xABD, sender=3)
     assert err.value.field == "layout"
+    reported = seal(b"payload", stage=2, shard=2, digest=0xABC, report=b"r" * 32)
+    assert unseal(reported, stage=2, shard=2, digest=0xABC, sender=3) == b"payload"
+    lying = reported[:16] + (10**6).to_bytes(4, "little") + reported[20:]  # claims a longer report
+    with pytest.raises(CodecError) as err:
+        unseal(lying, stage=2, shard=2, digest=0xABC, sender=3)
+    assert err.value.field == "report"
     for bad in (b"", framed[:10], b"XXXX" + framed[4:]):
         with pytest.raises(CodecError) as err:
             unseal(bad, stage=1, shard=2, digest=0xABC, sender=3)
