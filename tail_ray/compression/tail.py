@@ -281,10 +281,10 @@ class TailCompressor(RecordCompressor):
         all-gather. A report of the wrong size is ignored (it only informs the budget)."""
         merged: dict[str, list[float]] = {}
         for names, blob in reports:
-            values = np.frombuffer(blob, dtype="<f8")
-            if values.size != 4 * len(names):
+            if len(blob) != 32 * len(names):
                 log.warning("peer report of %d bytes for %d layers: ignored", len(blob), len(names))
                 continue
+            values = np.frombuffer(blob, dtype="<f8")
             for name, (spread, compression, grad_sq, numel) in zip(names, values.reshape(-1, 4), strict=True):
                 if name in self._measured or not all(
                     math.isfinite(v) for v in (spread, compression, grad_sq)
