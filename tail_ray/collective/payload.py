@@ -59,9 +59,6 @@ from tail_ray.methods import Method
 
 log = logging.getLogger(__name__)
 
-# Hook settings (beside the compressor's and the gate's link_*) that pick the collective.
-COLLECTIVE_SETTINGS = ("collective", "shard_min_numel")
-
 # A plain step of a compressing method: fp32 all-reduce, recorded as code "allreduce".
 _PLAIN = CASTS[Method.NONE]
 
@@ -125,6 +122,7 @@ class PayloadHookState(HookState):
         layout: NodeLayout | None = None,
     ) -> Self:
         rest, gate = split_gate_settings(dict(settings or {}))
+        # Beside the compressor's settings and the gate's link_*: the collective's two.
         collective = rest.pop("collective", Collective.AUTO)
         shard_min_numel = rest.pop("shard_min_numel", MIN_SLICE_NUMEL)
         compressor = make_compressor(method.value, **rest)
