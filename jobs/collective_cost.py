@@ -106,18 +106,20 @@ def table_rows(params: float, ratio: float, codec: Codec, alpha_s: float) -> lis
 
 def print_table(rows: list[dict[str, Any]], payload_bytes: float) -> None:
     names = {
-        RING: "ring fp32",
-        "allgather": "all-gather",
-        "sharded": "sharded",
-        "hierarchical": "hier. (8/node)",
+        RING: "ring fp32 MB/rank",
+        "allgather": "all-gather MB/rank",
+        "sharded": "sharded MB/rank",
+        "hierarchical": "hier. 8/node MB/node",
     }
-    print("| link | W | " + " | ".join(f"{names[n]} MB/rank, ms" for n in COLLECTIVES) + " |")
+    print("| link | W | " + " | ".join(f"{names[n]}, ms" for n in COLLECTIVES) + " |")
     print("|---:|---:|" + "---:|" * len(COLLECTIVES))
     for row in rows:
         cells = []
         for name in COLLECTIVES:
             c = row[name]
-            cells.append(f"{c['bytes'] / 1e6:.1f}, {c['ms']:.0f}")
+            # Hierarchical: what the node's link carries (its L ranks share it).
+            shown = c["link_bytes"] if name == "hierarchical" else c["bytes"]
+            cells.append(f"{shown / 1e6:.1f}, {c['ms']:.0f}")
         print(f"| {row['link_gbit']:g} Gbit/s | {row['world_size']} | " + " | ".join(cells) + " |")
     print(f"\n(one rank's payload: {payload_bytes / 1e6:.1f} MB)")
 
