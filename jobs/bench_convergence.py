@@ -99,6 +99,8 @@ class RunResult:
     tail_tau: dict[str, float] | None = None  # layer -> tau at the end
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
     tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
+    tail_stage_two_bits: dict[str, int] | None = None  # the second stage's, as tail_bits (rank 0)
+    tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
     world_size: int = WORLD_SIZE
     collective: str = "allreduce"  # the collective a payload method ran
 
@@ -157,6 +159,8 @@ def _train_one(
     comm_s: list[float] = []
     decode_s: list[float] = []
     bits_elems: Counter = Counter()
+    bits_elems_two: Counter = Counter()  # sharded / hierarchical: the second stage's
+    errors: tuple[list[float], list[float]] = ([], [])  # estimated relative error, stage one / two
     bits_history: dict[str, list[int]] = {}
     loss_value = float("nan")
     for step in range(steps):
@@ -185,6 +189,11 @@ def _train_one(
             for layer in m.layers:
                 if layer.bits < 32:
                     bits_elems[layer.bits] += layer.numel
+                    errors[0].append(layer.rel_error)
+            for layer in m.stage_two:  # the slices this rank re-compressed as an owner
+                if layer.bits < 32:
+                    bits_elems_two[layer.bits] += layer.numel
+                    errors[1].append(layer.rel_error)
         loss_value = float(loss.detach())
     if rank != 0:
         return None
@@ -192,6 +201,12 @@ def _train_one(
     extra = _tail_details(state, bits_elems) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
+        if bits_elems_two:
+            total = sum(bits_elems_two.values())
+            extra["tail_stage_two_bits"] = {
+                str(b): round(1000 * n / total) for b, n in sorted(bits_elems_two.items())
+            }
+        extra["tail_rel_error"] = [statistics.mean(e) if e else None for e in errors]
     return RunResult(
         task=task.name,
         label=label,
@@ -306,6 +321,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 print(
                     f"[{r['label']}] bits chosen (permille of quantized elements, 2nd half): {r['tail_bits']}"
                 )
+                if r.get("tail_stage_two_bits"):
+                    print(
+                        f"[{r['label']}] second stage (rank 0's slices), 2nd half: {r['tail_stage_two_bits']}"
+                    )
+                errs = r.get("tail_rel_error") or []
+                if errs:
+                    shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)
+                    print(f"[{r['label']}] mean estimated relative error, 2nd half: {shown}")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:

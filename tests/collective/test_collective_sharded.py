@@ -8,9 +8,10 @@ files here, in the parent:
   rounding: it sums in rank order) and every rank gets the same bits;
 - tail: Tail through the sharded (and, at W=4, the hierarchical) collective trains a few
   steps; every rank ends with bit-identical parameters; stage two shows in the metrics;
-- conservation: over several steps, what the collective delivered plus what error feedback
-  of BOTH stages still owes (summed over ranks as a resize would) equals the sum of the true
-  means of the raw gradients: nothing is lost, nothing counted twice.
+- conservation: over several steps, one of them sent plain as the link-aware switch would,
+  what the collective delivered plus what error feedback of BOTH stages still owes (summed
+  over ranks as a resize would) equals the sum of the true means of the raw gradients:
+  nothing is lost, nothing counted twice, across the switch and across a resize.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tail_ray.collective import PayloadHookState, make_hook_state, register_tail_hook
+from tail_ray.collective.gate import Mode
 from tail_ray.collective.launch import run_local_group
 from tail_ray.collective.payload import payload_hook
 from tail_ray.collective.topology import NodeLayout
@@ -29,6 +31,7 @@ from tail_ray.compression import make_compressor
 TIMEOUT_S = 120
 IN, HIDDEN, OUT = 64, 512, 10
 MIN_SLICE = 4096  # small enough that fc1.weight (32768) is cut into W slices at W = 8
+PLAIN_STEP = 3  # the conservation scenario sends this step by plain all-reduce
 
 
 def _model() -> nn.Module:
@@ -107,12 +110,19 @@ def _conservation(rank: int, world_size: int, out_dir, collective: str) -> None:
             dist.all_reduce(t)
             true_by_layer[name] = true_by_layer.get(name, 0) + t / world_size
         fut = payload_hook(st, bucket)
+        fut.wait()  # a plain step's all-reduce runs asynchronously
         for name, g in st.bucket_layers(bucket).items():
             sent_sum[name] = sent_sum.get(name, 0) + g.detach().double().clone()
         return fut
 
     ddp.register_comm_hook(state, checking_hook)
     for step in range(6):  # no optimizer step: residuals carry over steps, weights stay put
+        # Step 3 goes plain, as the link-aware switch would send it: every stage folds what
+        # it owes into the gradient, scaled to count once in the plain average.
+        plain = step == PLAIN_STEP
+        state.mode_for_bucket = (
+            (lambda _: Mode.ALLREDUCE) if plain else PayloadHookState.mode_for_bucket.__get__(state)
+        )
         x, y = _batch(rank, step)
         ddp.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
