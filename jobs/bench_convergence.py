@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -206,7 +207,9 @@ def _train_one(
             extra["tail_stage_two_bits"] = {
                 str(b): round(1000 * n / total) for b, n in sorted(bits_elems_two.items())
             }
-        extra["tail_rel_error"] = [statistics.mean(e) if e else None for e in errors]
+        # Finite estimates only: the engine's estimate is occasionally -inf (left to the numerics work).
+        finite = [[v for v in e if math.isfinite(v)] for e in errors]
+        extra["tail_rel_error"] = [statistics.mean(e) if e else None for e in finite]
     return RunResult(
         task=task.name,
         label=label,
