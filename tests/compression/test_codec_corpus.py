@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tail_ray.compression.levelcode import candidate_codes, encode_levels
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.compression.code_table import candidate_codes, encode_levels
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.wire import decode_payload, encode_payload
 from tests.compression.codec_corpus import (
     Costs,
     QuantSpec,
@@ -28,13 +29,10 @@ EXPECTED_DIGEST = "05d965231f37950d890d5da44c95b479ce817542b75ff7aceaba611814d7e
 
 def _record(spec: Spec) -> LayerRecord:
     if isinstance(spec, QuantSpec):
-        return LayerRecord(
-            spec.name, spec.levels.size, Kind.QUANT, spec.bits, spec.bucket_size, spec.scales, spec.levels
-        )
+        return QuantRecord(spec.name, spec.bits, spec.bucket_size, spec.scales, spec.levels)
     if isinstance(spec, RawSpec):
-        kind = Kind.RAW_F16 if spec.values.dtype == np.float16 else Kind.RAW_F32
-        return LayerRecord(spec.name, spec.values.size, kind, values=spec.values)
-    return LayerRecord(spec.name, spec.numel, Kind.SPARSE_F32, indices=spec.indices, values=spec.values)
+        return RawRecord(spec.name, spec.values, fp16=spec.values.dtype == np.float16)
+    return SparseRecord(spec.name, spec.numel, spec.indices, spec.values)
 
 
 def _encode_group(group: list[Spec]) -> tuple[bytes, list[Costs]]:
@@ -60,14 +58,14 @@ def test_corpus_decodes_to_what_was_encoded() -> None:
         for spec, rec in zip(group, decode_payload(payload), strict=True):
             assert rec.name == spec.name
             if isinstance(spec, QuantSpec):
-                assert rec.levels is not None and rec.scales is not None
+                assert isinstance(rec, QuantRecord)
                 assert np.array_equal(rec.levels, spec.levels)
                 assert rec.scales.tobytes() == spec.scales.tobytes()
             elif isinstance(spec, RawSpec):
-                assert rec.values is not None
+                assert isinstance(rec, RawRecord)
                 want = spec.values.astype(np.float32)
                 assert rec.values.tobytes() == want.tobytes()
             else:
-                assert isinstance(spec, SparseSpec) and rec.indices is not None and rec.values is not None
+                assert isinstance(spec, SparseSpec) and isinstance(rec, SparseRecord)
                 assert np.array_equal(rec.indices, spec.indices)
                 assert rec.values.tobytes() == spec.values.tobytes()
