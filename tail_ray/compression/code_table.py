@@ -21,7 +21,7 @@ bytes, in a table of its own (``DEFAULT_CODES.with_codes(...)``) that ``wire.enc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ class CodeTable(Mapping[int, AnyCode]):
                     f"two codes for wire id {int(c.code)}: {self._codes[int(c.code)].name}, {c.name}"
                 )
             self._codes[int(c.code)] = c
+        self._by_kind = {kind: [c for c in self._codes.values() if kind in c.kinds] for kind in Kind}
 
     def __getitem__(self, code: int) -> AnyCode:
         return self._codes[code]
@@ -69,7 +70,8 @@ class CodeTable(Mapping[int, AnyCode]):
         return self._codes[code].name if code in self._codes else f"code-{code}"
 
     def for_kind(self, kind: Kind) -> list[AnyCode]:
-        return [c for c in self._codes.values() if kind in c.kinds]
+        """The codes that carry ``kind``, in tie-break order."""
+        return self._by_kind[kind]
 
     def decoder(self, code: int, kind: Kind, *, layer: str | None) -> AnyCode:
         """The code that reads a ``kind`` body written with wire id ``code``; CodecError if none."""
@@ -84,47 +86,47 @@ class CodeTable(Mapping[int, AnyCode]):
         layer: Any = record
         if isinstance(record, QuantRecord):  # level codes estimate from one shared counting pass
             layer = self.level_stats(record.levels, record.bits)
-        return self.choose(self.for_kind(record.kind), layer, force=force)
+        return choose(self._by_kind[record.kind], layer, force=force)
 
-    def choose(
-        self, codes: list[AnyCode], layer: Any, *, force: Code | None = None
-    ) -> tuple[Code, int, bytes]:
-        estimates: dict[Code, float] = {}
-        for c in codes:
-            est = c.estimate(layer)
-            if est is not None:
-                estimates[c.code] = est
-        if force is not None:
-            return self._forced(force, estimates, layer)
-        limits = {code: self._limit(code, estimates) for code in estimates}
-        floor = min((est for code, est in estimates.items() if self[code].exact_size), default=math.inf)
-        ranked = sorted(
-            (code for code in estimates if estimates[code] <= limits[code]), key=estimates.__getitem__
-        )
-        for code in ranked:
-            strategy = self[code]
-            if strategy.refine(layer) > limits[code]:
-                continue  # the exact estimate no longer pays its margin: the next code
-            got = strategy.encode(layer)
-            if got is not None and len(got[1]) <= floor:
-                return code, got[0], got[1]
-        raise CodecError("no code could encode this layer", field="code")
 
-    def _limit(self, code: Code, estimates: Mapping[Code, float]) -> float:
-        """The largest estimate at which ``code`` is still weighed (its min_gain margin)."""
-        strategy = self[code]
-        rivals = [estimates[c] for c in strategy.must_beat if c in estimates]
-        return (1 - strategy.min_gain) * min(rivals) if rivals else math.inf
-
-    def _forced(self, force: Code, estimates: Mapping[Code, float], layer: Any) -> tuple[Code, int, bytes]:
-        if force not in estimates:
-            raise CodecError(f"code {force.name} is not a candidate for this layer", field="code")
-        strategy = self[force]
-        strategy.refine(layer)
-        got = strategy.encode(layer)
+def choose(codes: Sequence[AnyCode], layer: Any, *, force: Code | None = None) -> tuple[Code, int, bytes]:
+    """(code, nnz, body): the cheapest of ``codes`` for ``layer`` (see the module docstring), or
+    ``force``'s body (tests, benchmarks). ``codes`` are in tie-break order."""
+    if len(codes) == 1 and force is None:  # nothing to weigh (raw values, top-k positions)
+        got = codes[0].encode(layer)
         if got is None:
-            raise CodecError(f"code {force.name} refused this layer (capacity rule)", field="code")
-        return force, got[0], got[1]
+            raise CodecError(f"code {codes[0].name} refused this layer", field="code")
+        return codes[0].code, got[0], got[1]
+    weighed = [(c, est) for c in codes if (est := c.estimate(layer)) is not None]
+    if force is not None:
+        return _forced(force, weighed, layer)
+    best = {c.code: est for c, est in weighed}
+    floor = min((est for c, est in weighed if c.exact_size), default=math.inf)
+    ranked = []
+    for c, est in weighed:
+        rivals = [best[r] for r in c.must_beat if r in best]
+        limit = (1 - c.min_gain) * min(rivals) if rivals else math.inf  # its min_gain margin
+        if est <= limit:
+            ranked.append((est, c, limit))
+    ranked.sort(key=lambda r: r[0])  # stable: a tie keeps table order
+    for _est, c, limit in ranked:
+        if c.refine(layer) > limit:
+            continue  # the exact estimate no longer pays its margin: the next code
+        got = c.encode(layer)
+        if got is not None and len(got[1]) <= floor:
+            return c.code, got[0], got[1]
+    raise CodecError("no code could encode this layer", field="code")
+
+
+def _forced(force: Code, weighed: Sequence[tuple[AnyCode, float]], layer: Any) -> tuple[Code, int, bytes]:
+    found = [c for c, _est in weighed if c.code == force]
+    if not found:
+        raise CodecError(f"code {force.name} is not a candidate for this layer", field="code")
+    found[0].refine(layer)
+    got = found[0].encode(layer)
+    if got is None:
+        raise CodecError(f"code {force.name} refused this layer (capacity rule)", field="code")
+    return force, got[0], got[1]
 
 
 DEFAULT_CODES = CodeTable(
@@ -140,7 +142,7 @@ def encode_levels(
     levels: np.ndarray, bits: int, *, force: Code | None = None, codes: CodeTable = DEFAULT_CODES
 ) -> tuple[Code, int, bytes]:
     """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
-    return codes.choose(codes.for_kind(Kind.QUANT), codes.level_stats(levels, bits), force=force)
+    return choose(codes.for_kind(Kind.QUANT), codes.level_stats(levels, bits), force=force)
 
 
 def decode_levels(

@@ -138,7 +138,7 @@ class LevelStats:
 
     Level (and, for bits 2..4, pair) counts are exact; the gap-slot histogram of the
     non-zeros is exact up to ``GAP_EXACT_NUMEL`` levels and sampled above
-    (``gaps_exact``), until ``count_gaps_exactly`` is called. Models are fitted on first use.
+    (``gaps_exact``) until ``count_gaps_exactly`` is called.
     """
 
     def __init__(self, levels: np.ndarray, bits: int) -> None:
@@ -172,42 +172,28 @@ class LevelStats:
         self.nnz = int(nnz)
         self.extra_bits = int(extra)
         self.gaps_exact = bool(exact)
-        self._slot_fit: ModelFit | None = None
-
-    @functools.cached_property
-    def dense(self) -> ModelFit | None:
-        """The fitted model of all levels (None for an empty layer)."""
-        return rans.fit_model(self.counts) if self.numel else None
-
-    @functools.cached_property
-    def pair_model(self) -> EntropyModel | None:
-        """The pair model derived from the dense table (None: bits > 4, empty, or none valid)."""
-        if self.dense is None or self.pair_counts is None:
-            return None
-        return self.dense.model.paired((self.numel + 1) // 2)
-
-    @functools.cached_property
-    def nonzero_fit(self) -> ModelFit:
-        """The fitted model of the non-zero levels (symbols 0..2L-1); needs nnz > 0."""
-        return rans.fit_model(np.delete(self.counts, self.half))
-
-    @property
-    def slot_fit(self) -> ModelFit:
-        """The fitted model of the gap slots (from sampled counts until counted exactly)."""
-        if self._slot_fit is None:
-            self._slot_fit = rans.fit_model(self.slot_counts)
-        return self._slot_fit
+        # Every model a candidate's estimate needs, fitted once (the chooser asks them all):
+        # the dense table (None: empty layer), the pair model derived from it (None: bits > 4
+        # or no valid pair table), and the sparse code's non-zero level and gap-slot tables
+        # (None: no non-zero level). The slot table is refitted by ``count_gaps_exactly``.
+        self.dense: ModelFit | None = rans.fit_model(self.counts) if self.numel else None
+        self.pair_model: EntropyModel | None = None
+        if self.dense is not None and self.pair_counts is not None:
+            self.pair_model = self.dense.model.paired((self.numel + 1) // 2)
+        self.nonzero_fit: ModelFit | None = None
+        self.slot_fit: ModelFit | None = None
+        if self.nnz:
+            self.nonzero_fit = rans.fit_model(np.concatenate((self.counts[:half], self.counts[half + 1 :])))
+            self.slot_fit = rans.fit_model(self.slot_counts)
 
     def count_gaps_exactly(self) -> None:
         """Replace sampled gap statistics by an exact count (the sparse code's real model)."""
         if self.gaps_exact:
             return
-        nnz, self.extra_bits = hist.level_stats(
-            self.levels, self.half, np.zeros_like(self.counts), self.slot_counts
-        )
+        nnz, extra = hist.level_stats(self.levels, self.half, np.zeros_like(self.counts), self.slot_counts)
         self.nnz = int(nnz)
-        self.extra_bits = int(self.extra_bits)
-        self._slot_fit = None
+        self.extra_bits = int(extra)
+        self.slot_fit = rans.fit_model(self.slot_counts)
         self.gaps_exact = True
 
 

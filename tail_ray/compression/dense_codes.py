@@ -13,6 +13,7 @@ size; the real stream is within ~0.1% + 8 bytes of it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -60,6 +61,7 @@ class RawCode(LayerCode[RawRecord]):
         return RawRecord(head.name, body.view(dtype).astype(np.float32), fp16=head.kind == Kind.RAW_F16)
 
 
+@functools.cache
 def pack_width(bits: int) -> int:
     """ceil(log2(2L + 1)) bits per level for dense bit-packing (equals ``bits`` for 2..8)."""
     return max(1, math.ceil(math.log2(2 * check_bits(bits) + 1)))

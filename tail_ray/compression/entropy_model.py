@@ -21,6 +21,7 @@ The coder (rans.py) encodes and decodes symbols given a model; it never builds o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -341,6 +342,14 @@ class EntropyModel:
 
     scale_bits: int
     freqs: np.ndarray
+    _max_freq: int = dataclasses.field(default=0, init=False, repr=False)  # cached by max_freq
+
+    @property
+    def max_freq(self) -> int:
+        """The largest frequency (computed once: a decoder asks for it several times per stream)."""
+        if not self._max_freq:
+            object.__setattr__(self, "_max_freq", int(self.freqs.max()))
+        return self._max_freq
 
     @classmethod
     def fit(cls, counts: np.ndarray, *, word_bits: int, fixed_words: int) -> ModelFit:
@@ -368,7 +377,9 @@ class EntropyModel:
 
     def to_bytes(self) -> bytes:
         """Scale byte + Elias-gamma table (the last frequency implied by the sum)."""
-        out = np.empty(1 + (table_bits(self.freqs) + 7) // 8 + 8, dtype=np.uint8)
+        # Room for the scale byte and the two header codes (< 8 bytes) plus one code of < 32 bits
+        # per symbol (frequencies are <= 2**15): no sizing pass needed.
+        out = np.empty(8 + 4 * self.freqs.size, dtype=np.uint8)
         end = write_table(self.freqs, self.scale_bits, out, 0)
         return out[:end].tobytes()
 
@@ -379,13 +390,12 @@ class EntropyModel:
     @property
     def min_cost_bits(self) -> float:
         """Bits the cheapest symbol costs (0.0: one symbol carries all the mass)."""
-        return self.scale_bits - math.log2(int(self.freqs.max()))
+        return self.scale_bits - math.log2(self.max_freq)
 
     @property
     def only_symbol(self) -> int | None:
         """The symbol that carries all the mass, if one does (its stream needs no words)."""
-        top = int(np.argmax(self.freqs))
-        return top if int(self.freqs[top]) == 1 << self.scale_bits else None
+        return int(np.argmax(self.freqs)) if self.max_freq == 1 << self.scale_bits else None
 
     def paired(self, n_pairs: int) -> EntropyModel | None:
         """The model of symbol pairs (s0 * alphabet + s1) for a stream of ``n_pairs`` pairs;

@@ -68,8 +68,8 @@ class SparseRansCode(LevelCode):
     min_gain = SPARSE_MIN_GAIN
 
     def estimate(self, layer: LevelStats) -> float:
-        if layer.nnz == 0:
-            return 0.0
+        if layer.slot_fit is None or layer.nonzero_fit is None:
+            return 0.0  # no non-zero level: an empty body
         return layer.slot_fit.est_bytes + layer.nonzero_fit.est_bytes + 4 + math.ceil(layer.extra_bits / 8)
 
     def refine(self, layer: LevelStats) -> float:
@@ -77,7 +77,7 @@ class SparseRansCode(LevelCode):
         return self.estimate(layer)
 
     def encode(self, layer: LevelStats) -> tuple[int, bytes] | None:
-        if layer.nnz == 0:
+        if layer.slot_fit is None or layer.nonzero_fit is None:
             return 0, b""
         slot_model, level_model = layer.slot_fit.model, layer.nonzero_fit.model
         slots, syms, extra = sparse.split_levels(layer.levels, layer.half, layer.nnz, layer.extra_bits)

@@ -221,10 +221,11 @@ def _read_layer(
         raise CodecError("truncated layer header", layer=name, field="layer_header")
     kind_v, code, bits, _r = _LAYER_FIXED.unpack(buf[pos : pos + _LAYER_FIXED.size].tobytes())
     pos += _LAYER_FIXED.size
-    fields = {}
-    for f in ("numel", "bucket_size", "n_scales", "nnz", "body_len"):
-        fields[f], pos = read_varint(buf, pos, size, layer=name, field=f)
-    numel, n_scales, body_len = fields["numel"], fields["n_scales"], fields["body_len"]
+    numel, pos = read_varint(buf, pos, size, layer=name, field="numel")
+    bucket, pos = read_varint(buf, pos, size, layer=name, field="bucket_size")
+    n_scales, pos = read_varint(buf, pos, size, layer=name, field="n_scales")
+    nnz, pos = read_varint(buf, pos, size, layer=name, field="nnz")
+    body_len, pos = read_varint(buf, pos, size, layer=name, field="body_len")
     if numel > min(MAX_NUMEL, numel_left):
         raise CodecError(
             f"numel {numel} exceeds the {min(MAX_NUMEL, numel_left)} left", layer=name, field="numel"
@@ -241,10 +242,8 @@ def _read_layer(
         raise CodecError(
             f"body_len {body_len} exceeds the {size - pos} bytes left", layer=name, field="body_len"
         )
-    _check_kind_fields(kind, bits, fields["bucket_size"], numel, n_scales, name=name)
-    head = LayerHeader(
-        name, kind, bits, numel, fields["bucket_size"], fields["nnz"], scales.view("<f4").astype(np.float32)
-    )
+    _check_kind_fields(kind, bits, bucket, numel, n_scales, name=name)
+    head = LayerHeader(name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32))
     return head, code, buf[pos : pos + body_len], pos + body_len
 
 
