@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.bitio import flush_bits, put_bits
-
 # Status codes returned by the readers (>= 0 means success).
 ERR_TRUNCATED = -1  # the stream ended before every symbol was read
 ERR_RANGE = -2  # a symbol lies outside the alphabet the header announced
@@ -28,6 +26,8 @@ def packed_bytes(count: int, width_bits: int) -> int:
 def pack_fixed(symbols: np.ndarray, offset: int, width: int, out: np.ndarray) -> None:  # pragma: no cover
     """Pack ``symbols + offset`` (each in [0, 2**width)) at ``width`` (1..8) bits into ``out``."""
     n = symbols.size
+    acc = np.uint64(0)
+    nacc = 0
     pos = 0
     i = 0
     # Eight symbols at a time fill exactly ``width`` bytes: no partial-byte bookkeeping inside.
@@ -42,10 +42,15 @@ def pack_fixed(symbols: np.ndarray, offset: int, width: int, out: np.ndarray) ->
         i += 8
     acc = np.uint64(0)
     nacc = 0
-    while i < n:  # the last < 8 symbols
-        acc, nacc, pos = put_bits(acc, nacc, np.int64(symbols[i]) + offset, width, out, pos)
+    while i < n:
+        acc |= np.uint64(np.int64(symbols[i]) + offset) << np.uint64(nacc)
+        nacc += width
         i += 1
-    flush_bits(acc, nacc, out, pos)
+    while nacc > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+        acc >>= np.uint64(8)
+        nacc -= 8
+        pos += 1
 
 
 @njit(cache=True, nogil=True)

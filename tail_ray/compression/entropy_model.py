@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.bitio import flush_bits, get_bit, put_bits
+from tail_ray.compression.bitio import flush_bits, put_bits
 from tail_ray.errors import CodecError
 
 MIN_SCALE_BITS = 8
@@ -184,29 +184,6 @@ def write_table(freqs: np.ndarray, scale_bits: int, out: np.ndarray, pos: int) -
     return flush_bits(acc, nacc, out, pos)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _read_gamma(data, pos, acc, nacc):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
-    """One Elias-gamma value (>= 1), LSB-first: zeros (at most 31), a one, then as many value
-    bits. Returns (value or ERR_TABLE_TRUNCATED / ERR_TABLE, acc, nacc, pos)."""
-    zeros = 0
-    while True:
-        bit, acc, nacc, pos = get_bit(data, pos, acc, nacc)
-        if bit < 0:
-            return ERR_TABLE_TRUNCATED, acc, nacc, pos
-        if bit:
-            break
-        zeros += 1
-        if zeros > 31:
-            return ERR_TABLE, acc, nacc, pos
-    low = 0
-    for b in range(zeros):
-        bit, acc, nacc, pos = get_bit(data, pos, acc, nacc)
-        if bit < 0:
-            return ERR_TABLE_TRUNCATED, acc, nacc, pos
-        low |= bit << b
-    return (1 << zeros) | low, acc, nacc, pos
-
-
 @njit(cache=True, nogil=True)
 def read_table(
     data: np.ndarray, pos: int, alphabet: int, freqs: np.ndarray
@@ -225,35 +202,51 @@ def read_table(
     if scale_bits < MIN_SCALE_BITS or scale_bits > MAX_SCALE_BITS:
         return ERR_TABLE, pos
     m = 1 << scale_bits
-    acc = np.uint64(0)
-    nacc = 0
+    at = 8 * pos  # the next bit, counted from data[0]'s lowest
+    n_bits = 8 * data.size
     lo = -1
     count = 0
     k = 0
     fsum = 0
     n_values = 2
     while k < n_values:
-        v, acc, nacc, pos = _read_gamma(data, pos, acc, nacc)
-        if v < 0:
-            return v, pos
+        # one gamma code, LSB-first: zeros (at most 31), a one, then as many value bits
+        zeros = 0
+        while True:
+            if at >= n_bits:
+                return ERR_TABLE_TRUNCATED, (at + 7) >> 3
+            bit = (np.int64(data[at >> 3]) >> (at & 7)) & 1
+            at += 1
+            if bit:
+                break
+            zeros += 1
+            if zeros > 31:
+                return ERR_TABLE, (at + 7) >> 3
+        if at + zeros > n_bits:
+            return ERR_TABLE_TRUNCATED, n_bits >> 3
+        v = 1 << zeros
+        for b in range(zeros):
+            v |= ((np.int64(data[at >> 3]) >> (at & 7)) & 1) << b
+            at += 1
         if k == 0:
             lo = v - 1
             if lo >= alphabet:
-                return ERR_TABLE, pos
+                return ERR_TABLE, (at + 7) >> 3
         elif k == 1:
             count = v
             if lo + count > alphabet:
-                return ERR_TABLE, pos
+                return ERR_TABLE, (at + 7) >> 3
             n_values = 1 + count
         else:
             f = v - 1
             if f > m:
-                return ERR_TABLE, pos
+                return ERR_TABLE, (at + 7) >> 3
             freqs[lo + k - 2] = f
             fsum += f
             if fsum > m:
-                return ERR_TABLE, pos
+                return ERR_TABLE, (at + 7) >> 3
         k += 1
+    pos = (at + 7) >> 3  # every byte a bit was read from
     last = m - fsum
     if last < 1:
         return ERR_TABLE, pos

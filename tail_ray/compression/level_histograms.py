@@ -10,9 +10,10 @@ three cheap passes (vectorised pair symbols, a 4-way byte histogram, both exact)
 slots ESTIMATED from evenly spaced windows scaled to the exact nnz. The estimate only ranks
 the codes: the sparse code, when chosen, is built from an exact count (``level_stats``).
 
-The gap counter of a group of four levels (``_gap_group``) and of a short run
-(``_count_gaps``) are inline helpers shared by every pass. Every kernel range-checks the
-levels it counts and reports a level outside [-L, L] as a negative nnz.
+The gap counter of a group of four levels (``_small_gaps``, and ``_large_gaps`` on its rare
+path) and of a short run (``_count_gaps``) are inline helpers shared by every pass. Every
+kernel range-checks the levels it counts and reports a level outside [-L, L] as a negative
+nnz.
 """
 
 from __future__ import annotations
@@ -43,15 +44,11 @@ DENSE_GAP_SHARE = 0.18
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gap_group(levels, i, last, g, slot_counts):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Gap slots of the non-zeros in levels[i:i + 4], the previous non-zero at ``last``.
-
-    Small gaps (u < 8, the common case in dense layers) are counted without a branch in lane
-    k's row ``g[k]`` (column 7 takes zeros and large gaps, and is ignored); a group with a
-    large gap is re-counted exactly into ``slot_counts``. Returns (last, extra bits, number
-    of large gaps).
-    """
-    last_in = last
+def _small_gaps(levels, i, last, g):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
+    """Gap slots of the non-zeros in levels[i:i + 4], the previous non-zero at ``last``, for
+    the common case of small gaps (u < 8): counted without a branch in lane k's row ``g[k]``
+    (column 7 takes zeros and large gaps, and is ignored). Returns (last, whether a large gap
+    occurred: then ``_large_gaps`` counts this group's large gaps exactly)."""
     big = False
     for k in range(4):
         j = i + k
@@ -61,22 +58,27 @@ def _gap_group(levels, i, last, g, slot_counts):  # type: ignore[no-untyped-def]
         g[k, t if nz else 7] += 1
         big |= nz & (u >= 8)
         last = j if nz else last
-    extra = 0
-    n_big = 0
-    if big:  # rare for dense layers: off the hot path
-        last = last_in
-        for j in range(i, i + 4):
-            if levels[j] != 0:
-                if j - last >= 8:
-                    sl, nx, _ = gap_slot(j - last)
-                    slot_counts[sl] += 1
-                    extra += nx
-                    n_big += 1
-                last = j
-    return last, extra, n_big
+    return last, big
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _large_gaps(levels, i, last, slot_counts):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
+    """The large gaps (u >= 8) in levels[i:i + 4] into ``slot_counts``, the previous non-zero at
+    ``last`` (the rare path of a dense layer). Returns (last, extra bits, large gaps)."""
+    extra = 0
+    n_big = 0
+    for j in range(i, i + 4):
+        if levels[j] != 0:
+            if j - last >= 8:
+                sl, nx, _ = gap_slot(j - last)
+                slot_counts[sl] += 1
+                extra += nx
+                n_big += 1
+            last = j
+    return last, extra, n_big
+
+
+@njit(cache=True, nogil=True)
 def _count_gaps(levels, last, lo, hi, slot_counts, g):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Gap slots of the non-zeros in levels[lo:hi], the previous non-zero at ``last``: gaps
     1..7 into ``g`` (1-D), longer ones into ``slot_counts``. Returns (non-zeros counted, extra bits)."""
@@ -138,9 +140,12 @@ def _gap_window_dense(levels, lo, hi, slot_counts, g):  # type: ignore[no-untype
     start = last + 1
     end4 = start + ((hi - start) & ~3)
     for i in range(start, end4, 4):
-        last, e, n_big = _gap_group(levels, i, last, gg, slot_counts)
-        extra += e
-        counted += n_big
+        last_in = last
+        last, big = _small_gaps(levels, i, last, gg)
+        if big:
+            last, e, n_big = _large_gaps(levels, i, last_in, slot_counts)
+            extra += e
+            counted += n_big
     c, e = _count_gaps(levels, last, end4, hi, slot_counts, g)  # the last < 4 levels
     counted += c + _add_lanes(gg, g)
     return counted, extra + e
@@ -199,8 +204,11 @@ def level_stats(
     extra_bits = 0
     n4 = n - (n & 3)
     for i in range(0, n4, 4):
-        last, e, _ = _gap_group(levels, i, last, g, slot_counts)
-        extra_bits += e
+        last_in = last
+        last, big = _small_gaps(levels, i, last, g)
+        if big:  # rare for dense layers: off the hot path
+            last, e, _ = _large_gaps(levels, i, last_in, slot_counts)
+            extra_bits += e
     extra_bits += _count_gaps(levels, last, n4, n, slot_counts, g[0])[1]
     total = 0
     for s in range(counts.size):
@@ -258,8 +266,11 @@ def pair_level_stats(
             s = s if 0 <= s < a * a else 0
             syms[j >> 1] = s
             h[p, s] += 1
-        last, e, _ = _gap_group(levels, i, last, g, slot_counts)
-        extra_bits += e
+        last_in = last
+        last, big = _small_gaps(levels, i, last, g)
+        if big:
+            last, e, _ = _large_gaps(levels, i, last_in, slot_counts)
+            extra_bits += e
     extra_bits += _count_gaps(levels, last, n4, n, slot_counts, g[0])[1]
     for j in range(n4, n, 2):  # the last one or two pairs; an odd last level pairs with itself
         x = np.int64(levels[j]) + half
