@@ -211,10 +211,10 @@ def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales:
 
 
 def _read_layer(
-    buf: np.ndarray, pos: int, where: str, numel_left: int
+    buf: np.ndarray, pos: int, where: str, max_numel: int, numel_before: int
 ) -> tuple[LayerHeader, int, np.ndarray, int]:
-    """One layer's header, code id and body (a view); the end position. ``numel_left``: how many
-    elements the payload may still describe."""
+    """One layer's header, code id and body (a view); the end position. ``max_numel`` bounds
+    the layer, and the payload with ``numel_before`` (the layers before it)."""
     size = int(buf.size)
     name, pos = _read_name(buf, pos, where)
     if pos + _LAYER_FIXED.size > size:
@@ -226,10 +226,10 @@ def _read_layer(
     n_scales, pos = read_varint(buf, pos, size, layer=name, field="n_scales")
     nnz, pos = read_varint(buf, pos, size, layer=name, field="nnz")
     body_len, pos = read_varint(buf, pos, size, layer=name, field="body_len")
-    if numel > min(MAX_NUMEL, numel_left):
-        raise CodecError(
-            f"numel {numel} exceeds the {min(MAX_NUMEL, numel_left)} left", layer=name, field="numel"
-        )
+    if numel > min(MAX_NUMEL, max_numel):
+        raise CodecError(f"numel {numel} exceeds {min(MAX_NUMEL, max_numel)}", layer=name, field="numel")
+    if numel_before + numel > max_numel:
+        raise CodecError(f"layers add up to more than {max_numel} elements", layer=name, field="numel")
     try:
         kind = Kind(kind_v)
     except ValueError:
@@ -258,11 +258,11 @@ def decode_payload(
     """
     buf, n_layers = _open(payload)
     pos = _HEADER.size
-    numel_left = max_numel
+    total_numel = 0
     out: list[LayerRecord] = []
     for i in range(n_layers):
-        head, code, body, pos = _read_layer(buf, pos, f"#{i}", numel_left)
-        numel_left -= head.numel
+        head, code, body, pos = _read_layer(buf, pos, f"#{i}", max_numel, total_numel)
+        total_numel += head.numel
         rec = codes.decoder(code, head.kind, layer=head.name).decode(body, head)
         if rec.numel != head.numel:  # a code's own bug, never the payload's: say so, do not pass it on
             raise CodecError(
