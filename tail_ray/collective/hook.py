@@ -35,7 +35,7 @@ from tail_ray.collective.gate import Mode
 from tail_ray.collective.state import TailHookState
 from tail_ray.collective.transport import all_gather_bytes
 from tail_ray.compression.layers import records_to_flat
-from tail_ray.compression.quantize import mean_dequantized_into
+from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.wire import Kind, LayerRecord
 from tail_ray.errors import CodecError
 
@@ -43,22 +43,27 @@ from tail_ray.errors import CodecError
 def average_decoded(
     names: list[str], decoded_by_rank: list[dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
-    """Mean over ranks of each named layer; a payload missing a layer is a CodecError."""
-    world_size = len(decoded_by_rank)
+    """Mean over ranks of each named layer (the grid's rank mean, tail_ray/compression/grid.py);
+    a payload missing a layer is a CodecError."""
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        total: torch.Tensor | None = None
+        values: list[torch.Tensor] = []
         for rank, decoded in enumerate(decoded_by_rank):
             try:
-                t = decoded[name]
+                values.append(decoded[name])
             except KeyError:
                 raise CodecError(
                     f"rank {rank}'s payload lacks this layer", layer=name, field="name"
                 ) from None
-            total = t.clone() if total is None else total.add_(t)
-        assert total is not None  # names is non-empty per bucket; world_size >= 1
-        out[name] = total.div_(world_size)
+        out[name] = _mean(values)
     return out
+
+
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """The rank mean of decoded (CPU float32) tensors, flat, same arithmetic as the fused path."""
+    out = np.empty(values[0].numel(), dtype=np.float32)
+    mean_into([t.detach().to("cpu", torch.float32).reshape(-1).numpy() for t in values], out)
+    return torch.from_numpy(out)
 
 
 def observe_peers(state: TailHookState, decoded_by_rank: list[dict[str, torch.Tensor]]) -> None:
@@ -136,7 +141,6 @@ def average_records_into(
     decoded to tensors and averaged as before. Every layer is checked before anything is
     written: a payload missing a layer or sized differently from its gradient is a CodecError.
     """
-    world_size = len(records_by_rank)
     layers: list[list[LayerRecord]] = []
     for name, g in zip(names, grads, strict=True):
         recs = []
@@ -166,12 +170,8 @@ def average_records_into(
             if not direct:
                 g.copy_(torch.from_numpy(out).view(g.shape))
             continue
-        total: torch.Tensor | None = None
-        for rec in recs:
-            t = records_to_flat([rec])[rec.name]
-            total = t.clone() if total is None else total.add_(t)
-        assert total is not None  # world_size >= 1
-        g.copy_(total.div_(world_size).view(g.shape).to(device=g.device, dtype=g.dtype))
+        mean = _mean([records_to_flat([rec])[rec.name] for rec in recs])
+        g.copy_(mean.view(g.shape).to(device=g.device, dtype=g.dtype))
 
 
 def tail_hook(state: TailHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
 
 class ErrorFeedback:
     def __init__(self) -> None:
@@ -40,8 +42,12 @@ class ErrorFeedback:
         return e
 
     def compensate(self, name: str, grad: np.ndarray) -> np.ndarray:
-        """g + e as a new float32 array (the caller's gradient is never modified)."""
-        return grad.astype(np.float32, copy=True) + self.buffer(name, grad.size)
+        """g + e as a new float32 array (the caller's gradient is never modified), saturated at
+        float32's max as the quantizer's fused kernel does: a huge finite g stays finite."""
+        out = grad.astype(np.float32, copy=True)
+        with np.errstate(over="ignore"):
+            np.add(out, self.buffer(name, grad.size), out=out)
+        return np.clip(out, -_F32_MAX, _F32_MAX, out=out)
 
     def update(self, name: str, compensated: np.ndarray, decoded: np.ndarray) -> None:
         """e <- compensated - decoded: what this step failed to send."""
@@ -57,7 +63,10 @@ class ErrorFeedback:
         for name, g in grads.items():
             e = self._residuals.pop(name, None)
             if e is not None and e.size == g.numel():
-                g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
+                flat = g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
+                if flat.is_floating_point():  # saturate: a huge finite g + e must not become inf
+                    big = torch.finfo(flat.dtype).max
+                    flat.clamp_(-big, big)
 
     def reset(self, name: str | None = None) -> None:
         if name is None:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tail_ray.compression.quantize import dequantize
 from tail_ray.compression.registry import register_compressor
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import Kind, LayerRecord, decode_payload, encode_payload
@@ -28,9 +29,7 @@ def records_to_tensors(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
             out[rec.name] = torch.from_numpy(dense)
         elif rec.kind == Kind.QUANT:
             assert rec.levels is not None and rec.scales is not None
-            levels_max = (1 << (rec.bits - 1)) - 1 if rec.bits > 1 else 1
-            per_elem = np.repeat(rec.scales / levels_max, rec.bucket_size)[: rec.numel]
-            out[rec.name] = torch.from_numpy(rec.levels.astype(np.float32) * per_elem)
+            out[rec.name] = torch.from_numpy(dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size))
         else:
             raise CodecError(f"unknown kind {rec.kind}", layer=rec.name, field="kind")
     return out
