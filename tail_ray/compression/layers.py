@@ -47,9 +47,19 @@ def warn_nonfinite(name: str) -> None:
 
 
 def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
-    """One LayerStats from what was sent (``nnz``: non-zero levels / kept values) and its cost."""
+    """One LayerStats from what was sent and its cost.
+
+    Density is the share of elements the payload carries as non-zero: the wire's own count
+    (``cost.nnz``: non-zero levels of a quantized layer whatever its code, kept values of a
+    sparse one), so it is in [0, 1] for every code; 1 for a raw layer (every value is sent).
+    ``nnz``, the compressor's count of the same thing, is no longer needed for it (a kernel
+    that miscounted once put -1.3e8 on the dashboard) and is kept only for the callers.
+    """
     bits = {Kind.QUANT: rec.bits, Kind.RAW_F16: 16}.get(rec.kind, 32)
-    density = 1.0 if nnz is None else nnz / rec.numel if rec.numel else 0.0
+    if rec.kind in (Kind.QUANT, Kind.SPARSE_F32):
+        density = cost.nnz / rec.numel if rec.numel else 0.0
+    else:
+        density = 1.0
     return LayerStats(
         layer=rec.name,
         numel=rec.numel,
