@@ -6,6 +6,7 @@
     tail-ray jobs                list jobs
     tail-ray metrics JOB_ID      per-layer table and totals
     tail-ray stop JOB_ID | logs JOB_ID
+    tail-ray warmup              compile the codec's numba kernels once, into the shared cache
 
 Every command except `up`/`demo` only speaks HTTP to the service; the URL and API token come
 from --url/--token, else TAIL_RAY_URL/TAIL_RAY_API_TOKEN, else the file `up` writes
@@ -246,7 +247,34 @@ def _wait_ready(api: Api, service: subprocess.Popen[bytes], timeout_s: float = 6
     )
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from tail_ray.warmup import warmup  # imports torch and numba: only for the commands that need them
+
+    if args.max_world < 1:
+        raise CliError(f"--max-world must be at least 1, got {args.max_world}")
+
+    def progress(stage: str, i: int, n: int, seconds: float) -> None:
+        print(f"  [{i}/{n}] {stage}: {seconds:.1f} s", flush=True)
+
+    print("compiling tail_ray's kernels (about a minute the first time, seconds once cached) ...", flush=True)
+    report = warmup(max_world=args.max_world, progress=progress)
+    print(f"kernels ready in {report.total_s:.1f} s; cached in {report.cache_dir}", flush=True)
+    return 0
+
+
+def _warm_kernels(args: argparse.Namespace) -> None:
+    """Before a local stack: fill the kernel cache its workers will read (skipped for a remote
+    cluster, whose workers have their own), and name it in the environment, which the Ray head
+    and the service started next inherit, and with them every worker."""
+    if not args.ray_address:
+        cmd_warmup(argparse.Namespace(max_world=max(8, getattr(args, "workers", 0))))
+        from tail_ray.kernel_cache import cache_dir
+
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir()))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    _warm_kernels(args)
     with running_stack(args) as api:
         print("Ctrl-C to stop", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
@@ -286,6 +314,7 @@ def _result_line(logs: str) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    _warm_kernels(args)
     with running_stack(args) as api:
         results = {}
         for method in ("tail", "none"):
@@ -383,6 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="print a job's driver log")
     logs.add_argument("job_id")
     logs.set_defaults(func=cmd_logs)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile the codec's kernels once into the shared cache (up and demo do it themselves)",
+        description="Compile every numba kernel of tail_ray into the cache that every process on this "
+        "machine reads ($NUMBA_CACHE_DIR, else ~/.tail_ray/numba-cache), so that no Ray worker spends "
+        "its first step compiling. Takes about a minute the first time, seconds afterwards.",
+    )
+    warm.add_argument(
+        "--max-world", type=int, default=8, help="compile the rank means up to this many ranks (default: 8)"
+    )
+    warm.set_defaults(func=cmd_warmup)
     return parser
 
 
