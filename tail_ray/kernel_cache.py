@@ -9,13 +9,16 @@ directory per cluster session, and each worker of the first job then compiled ev
 This module registers a numba cache locator for tail_ray's own functions that does not care
 where the package lives:
 
-- directory: ``$NUMBA_CACHE_DIR`` if set, else ``~/.tail_ray/numba-cache`` (``cache_dir()``),
-  then ``tail_ray/<subpackage>``: the same for the editable install, a Ray working_dir copy
-  and any worker on this machine; ``tail-ray up`` passes ``NUMBA_CACHE_DIR`` on to jobs;
 - freshness: a hash of every ``.py`` file of the package (not only the function's own file,
   as numba does): a kernel inlines helpers from other modules (``fixedsum.add_squares`` into
   the quantizer), and numba would not notice when only a helper changed. Any edit of the
-  package makes every cached kernel stale, never wrong.
+  package makes every cached kernel stale, never wrong;
+- directory: ``$NUMBA_CACHE_DIR`` if set, else ``~/.tail_ray/numba-cache`` (``cache_dir()``),
+  then ``tail_ray-<hash>/<subpackage>``: the same for the editable install, a Ray
+  working_dir copy and any worker on this machine (``tail-ray up`` exports the directory to
+  the Ray head and so to every job); two versions of the package (two checkouts, a release
+  and a working tree) keep their own entries instead of evicting each other's.
+  ``prune_versions`` (run by ``tail-ray warmup``) keeps the few most recently used.
 
 numba keys each entry further by signature, numba version, Python version and the target CPU
 (name and features), so a directory shared between different CPUs (an NFS home) or different
@@ -32,6 +35,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,26 @@ def cache_dir() -> Path:
     """The directory numba caches tail_ray's kernels under (created on first use)."""
     explicit = os.environ.get("NUMBA_CACHE_DIR")
     return Path(explicit).expanduser() if explicit else Path.home() / ".tail_ray" / "numba-cache"
+
+
+def version_dir() -> Path:
+    """This version's directory inside ``cache_dir()``."""
+    return cache_dir() / f"{_PACKAGE}-{source_stamp()[:16]}"
+
+
+def prune_versions(keep: int = 4) -> list[Path]:
+    """Delete the cached kernels of all but the ``keep`` most recently written versions of the
+    package (this one always stays); returns what was deleted. Deleting is always safe: a
+    version that runs again compiles again."""
+    root = cache_dir()
+    current = version_dir()
+    others = [p for p in root.glob(f"{_PACKAGE}-*") if p.is_dir() and p != current]
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = []
+    for old in others[max(0, keep - 1) :]:
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
 
 
 @functools.cache
@@ -66,7 +90,7 @@ class PackageCacheLocator(caching._CacheLocator):
 
     def __init__(self, py_func: Any, subpackage: str) -> None:
         self._lineno = py_func.__code__.co_firstlineno
-        self._cache_path = str(cache_dir().joinpath(*subpackage.split(".")))
+        self._cache_path = str(version_dir().joinpath(*subpackage.split(".")))
 
     def get_cache_path(self) -> str:
         return self._cache_path

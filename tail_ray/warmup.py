@@ -25,7 +25,7 @@ from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.layers import sample_stack
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
-from tail_ray.kernel_cache import cache_dir
+from tail_ray.kernel_cache import prune_versions, version_dir
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ def warmup(
         (f"rank means for 1..{max_world} ranks", lambda: _means(max_world)),
         ("controller estimate and sampled view", _controller),
     ]
-    report = WarmupReport(cache_dir=str(cache_dir()))
+    report = WarmupReport(cache_dir=str(version_dir()))
+    for old in prune_versions():
+        logger.info("removed the cached kernels of an older tail_ray version: %s", old)
     logger.info("compiling tail_ray's kernels into %s (a few seconds when already cached)", report.cache_dir)
     for i, (label, run) in enumerate(stages, start=1):
         start = time.perf_counter()

@@ -72,6 +72,22 @@ def test_the_cache_directory_follows_numba_cache_dir_else_the_home(monkeypatch, 
     assert kernel_cache.cache_dir() == tmp_path / ".tail_ray" / "numba-cache"
 
 
+def test_prune_keeps_this_version_and_the_most_recent_others(monkeypatch, tmp_path):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    current = kernel_cache.version_dir()
+    current.mkdir(parents=True)
+    others = [tmp_path / f"tail_ray-{i:016x}" for i in range(5)]
+    for age, d in enumerate(others):
+        d.mkdir()
+        os.utime(d, (1e9 - age, 1e9 - age))  # others[0] is the most recent
+    (tmp_path / "unrelated").mkdir()
+    removed = kernel_cache.prune_versions(keep=3)
+    assert sorted(removed) == sorted(others[2:])
+    assert (
+        current.is_dir() and others[0].is_dir() and others[1].is_dir() and (tmp_path / "unrelated").is_dir()
+    )
+
+
 def _kernels() -> list[tuple[str, CPUDispatcher]]:
     """Every numba kernel of tail_ray that is compiled on its own (not inlined into others)."""
     out = []
