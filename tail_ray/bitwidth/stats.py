@@ -17,12 +17,7 @@ import numpy as np
 from numba import njit
 
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
-from tail_ray.compression.grid import levels_max
-
-# As in the quantizer: a bucket whose scale is below 2^-64 is scaled up by 2^64 (exact) so that
-# L / s cannot overflow (it would turn every fraction into inf - inf = NaN).
-_TINY_SCALE = np.float32(2.0**-64)
-_TINY_PRESCALE = np.float32(2.0**64)
+from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -62,7 +57,6 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
     sq_lanes = np.zeros(LANES, np.float64)
     frac_lanes = np.zeros(LANES, np.float32)  # terms are <= 1/4: float32 lanes lose nothing that matters
     nonzero = 0
-    f32_max = np.float32(3.4028234663852886e38)
     box = np.empty(1, np.int32)
     fbox = box.view(np.float32)
     for t in range(bucket_ids.size):
@@ -74,7 +68,7 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
         if use_e:
             eb = e[lo:hi]
             for i in range(xb.size):  # saturated as the quantizer does it
-                xb[i] = min(max(gb[i] + eb[i], -f32_max), f32_max)
+                xb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
         else:
             for i in range(xb.size):
                 xb[i] = gb[i]
@@ -88,7 +82,8 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
         if m == 0:
             continue
         nonzero += 1
-        pre = _TINY_PRESCALE if m < _TINY_SCALE else np.float32(1.0)
+        # As in the quantizer: L / s must not overflow (every fraction would be inf - inf = NaN).
+        pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
         for j in range(lmaxes.size):
             lf = np.float32(lmaxes[j])
             step = np.float64(m) / np.float64(lf)

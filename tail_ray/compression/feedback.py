@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-_F32_MAX = np.float32(np.finfo(np.float32).max)
+from tail_ray.compression.grid import F32_MAX
 
 
 class ErrorFeedback:
@@ -47,7 +47,7 @@ class ErrorFeedback:
         out = grad.astype(np.float32, copy=True)
         with np.errstate(over="ignore"):
             np.add(out, self.buffer(name, grad.size), out=out)
-        return np.clip(out, -_F32_MAX, _F32_MAX, out=out)
+        return np.clip(out, -F32_MAX, F32_MAX, out=out)
 
     def update(self, name: str, compensated: np.ndarray, decoded: np.ndarray) -> None:
         """e <- compensated - decoded: what this step failed to send."""

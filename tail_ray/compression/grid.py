@@ -35,6 +35,13 @@ import numpy as np
 MIN_BITS = 2
 MAX_BITS = 8
 
+F32_MAX = np.float32(np.finfo(np.float32).max)
+# Below this scale L / s could overflow float32 (s < L / 3.4e38 ~ 2^-121): the quantizer and
+# the controller's estimate multiply such a bucket by 2^64 first (exact: a power of two, far
+# from overflow). Decoding does not care: step = s * (1 / L) is just small.
+TINY_SCALE = np.float32(2.0**-64)
+TINY_PRESCALE = np.float32(2.0**64)
+
 
 def levels_max(bits: int) -> int:
     """L = 2^(bits-1) - 1 for 2 <= bits <= 8: levels lie in [-L, L]."""

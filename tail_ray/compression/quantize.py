@@ -44,7 +44,15 @@ import numpy as np
 from numba import njit
 
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total, sum_squares
-from tail_ray.compression.grid import bucket_steps, inverse_levels_max, levels_max, n_buckets
+from tail_ray.compression.grid import (
+    F32_MAX,
+    TINY_PRESCALE,
+    TINY_SCALE,
+    bucket_steps,
+    inverse_levels_max,
+    levels_max,
+    n_buckets,
+)
 
 __all__ = [
     "UNIFORM_TABLE",
@@ -68,12 +76,6 @@ _CHUNK = 1024  # elements per random table offset
 # below 65536 is contiguous; see _round_bucket for how a window becomes uniforms.
 _TABLE = np.random.default_rng(0x7A11).permutation(_TABLE_SIZE).astype(np.uint16)
 UNIFORM_TABLE = np.concatenate([_TABLE, _TABLE])
-
-# Below this scale L / s could overflow float32 (s < L / 3.4e38 ~ 2^-121); such a bucket's
-# values are multiplied by 2^64 (exact: a power of two, far from overflow) before rounding.
-_TINY_SCALE = np.float32(2.0**-64)
-_TINY_PRESCALE = np.float32(2.0**64)
-_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def layer_seed(base_seed: int, step: int, name: str) -> int:
@@ -131,7 +133,7 @@ def _round_chunk(xb, lb, ub, rot, pre, inv, step, lmax, write_e):  # type: ignor
 def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e):  # type: ignore[no-untyped-def]
     """Round one bucket of scale m > 0 chunk by chunk; each chunk reads the table at a fresh
     random offset. ``h`` is the running splitmix64 state; returns (nnz, new state)."""
-    pre = _TINY_PRESCALE if m < _TINY_SCALE else np.float32(1.0)
+    pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
     inv = np.float32(lmax) / (m * pre)
     step = m * inv_l
     cnt = 0
@@ -168,7 +170,7 @@ def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab)
         gb = g[lo:hi]
         eb = e[lo:hi]
         for i in range(gb.size):
-            eb[i] = min(max(gb[i] + eb[i], -_F32_MAX), _F32_MAX)
+            eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
         box[0] = _absmax(eb)
         m = fbox[0]
         scales[k] = m
