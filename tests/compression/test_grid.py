@@ -273,7 +273,7 @@ def test_kernels_give_the_same_bits_when_numba_compiles_for_other_cpus(tmp_path)
     the bits this host's build gives (AVX-512 on the development machine), kernel by kernel:
     quantize, error feedback, dequantize, the means, the sampled view, the controller's
     estimate, and whole Tail payloads and their decoding. Both compile cold when the cache is
-    empty (about 30 s each on 2 cores), so they run side by side."""
+    empty (about a minute of CPU each on 2 cores), so they run side by side."""
     from isa_digest import digests
 
     procs = {cpu: _digests_under(cpu, tmp_path / "numba") for cpu in ("generic", "haswell")}
