@@ -64,8 +64,14 @@ def _check_token(settings: Settings, credentials: HTTPAuthorizationCredentials |
 
 
 def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
-    """Every mutating route depends on this."""
+    """Every mutating route depends on this (and ``routing.AuthFirstRoute`` runs the same
+    check before the body is read)."""
     _check_token(settings, credentials)
+
+
+async def check_token_of(request: Request) -> None:
+    """``require_token`` on a bare request, for code that runs before FastAPI's dependencies."""
+    _check_token(get_settings(request), await _bearer(request))
 
 
 def guard_reads(settings: SettingsDep, credentials: BearerDep) -> None:

@@ -15,12 +15,18 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from service.deps import IngesterDep, JobDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.errors import InvalidHeader
 from service.prometheus import render_prometheus
+from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepPoint, StepsPage
 from service.settings import Settings
 from service.storage import Storage
 
-router = APIRouter(prefix="/v1/jobs/{job_id}/metrics", tags=["metrics"], dependencies=[Depends(guard_reads)])
-prometheus_router = APIRouter(tags=["metrics"])
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}/metrics",
+    tags=["metrics"],
+    dependencies=[Depends(guard_reads)],
+    route_class=AuthFirstRoute,
+)
+prometheus_router = APIRouter(tags=["metrics"], route_class=AuthFirstRoute)
 
 # A step cursor: -1 (from the start) up to 2**53, which every JSON client (the dashboard is
 # JavaScript) holds exactly and SQLite's 64-bit integers hold with room to spare (an
