@@ -211,7 +211,12 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     if exc.status_code in (204, 304):  # no body allowed
         return Response(status_code=exc.status_code, headers=exc.headers)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
-    return json_response(exc.status_code, error_body(code, str(exc.detail)), exc.headers)
+    detail = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body" hides why: nested too deeply, not
+        # UTF-8, an integer past Python's 4300-digit limit, ... Say it (bounded).
+        detail = f"{detail}: {json_safe(str(exc.__cause__))}"
+    return json_response(exc.status_code, error_body(code, detail), exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

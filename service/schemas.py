@@ -43,6 +43,7 @@ JobName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{
 SettingKey = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,39}$")]
 SettingText = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
 SettingValue = bool | int | float | SettingText
+MAX_SETTING_INT = 2**53
 
 TERMINAL_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
 JobStatus = Literal["PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"]
@@ -92,13 +93,19 @@ class JobCreate(BaseModel):
 
     @field_validator("compression", mode="before")
     @classmethod
-    def _finite_settings(cls, value: Any) -> Any:
-        # One clear error for a non-finite setting, where the value union would list one
-        # failure per member type (bool, int, float, str).
+    def _bounded_settings(cls, value: Any) -> Any:
+        # One clear error for a non-finite or huge number, where the value union would list
+        # one failure per member type (bool, int, float, str). Integers are bounded like every
+        # other field: +-2**53 is exact in any JSON client and keeps the entrypoint short.
         if isinstance(value, dict):
             for key, item in value.items():
                 if isinstance(item, float) and not math.isfinite(item):
                     raise ValueError(f"compression setting {key!r} must be a finite number, got {item}")
+                if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_SETTING_INT:
+                    raise ValueError(
+                        f"compression setting {key!r} must be an integer within +-2**53, "
+                        f"got one of {item.bit_length()} bits"
+                    )
         return value
 
     @model_validator(mode="after")

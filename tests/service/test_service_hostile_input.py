@@ -83,6 +83,33 @@ def test_non_finite_numbers_get_422_naming_the_field(client: TestClient, body: s
     assert field in _locs(resp)
 
 
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ('{"seed": ' + "9" * 40 + "}", "seed"),
+        ('{"steps": -' + "9" * 400 + "}", "steps"),
+        ('{"compression": {"seed": ' + "9" * 40 + "}}", "compression"),
+        ('{"compression": {"bits": ' + str(2**53 + 1) + "}}", "compression"),
+    ],
+)
+def test_huge_integers_get_422_naming_the_field(client: TestClient, body: str, field: str) -> None:
+    resp = client.post("/v1/jobs", content=body, headers={**AUTH, **JSON})
+    assert resp.status_code == 422, resp.text
+    assert field in _locs(resp)
+    _strict_json(resp.text)
+
+
+def test_an_unparseable_body_says_why(client: TestClient) -> None:
+    for body, reason in [
+        (b"[" * 20_000, "recursion"),
+        (b'{"name": "\xff"}', "utf-8"),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "digits"),
+    ]:
+        resp = client.post("/v1/jobs", content=body, headers={**AUTH, **JSON})
+        assert resp.status_code == 400 and resp.json()["code"] == "bad_request"
+        assert reason in resp.json()["detail"], resp.text
+
+
 # ------------------------------------------------------------------ strict types (finding 4)
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -243,7 +270,17 @@ def test_every_mutating_route_checks_the_token_before_reading_the_body(client: T
 def test_unknown_jobs_are_404_and_odd_ids_4xx_on_every_job_route(client: TestClient) -> None:
     job_ops = [(m, p) for m, p, _ in _operations(client) if "{job_id}" in p]
     assert len(job_ops) >= 7
-    odd_ids = ["%00", "a%2Fb", "%C3%A9t%C3%A9", "a" * 129, "%F0%9F%92%A5", "a%20b", "%ED%A0%80", "%2E%2E", "%2E"]
+    odd_ids = [
+        "%00",
+        "a%2Fb",
+        "%C3%A9t%C3%A9",
+        "a" * 129,
+        "%F0%9F%92%A5",
+        "a%20b",
+        "%ED%A0%80",
+        "%2E%2E",
+        "%2E",
+    ]
     for method, template in job_ops:
         missing = client.request(method, template.replace("{job_id}", "tail-0000000000000000"), headers=AUTH)
         assert missing.status_code == 404 and missing.json()["code"] == "job_not_found", template
