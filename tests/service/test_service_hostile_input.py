@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from service_support import API_TOKEN, AUTH, make_settings, step_records
+from service_support import API_TOKEN, AUTH, LiveServer, make_settings, step_records
 
+from service import cli
 from service.job_yaml import load_job_yaml
 from service.main import create_app
 from service.routers.metrics import MAX_STEP
@@ -148,6 +149,21 @@ def test_yaml_specs_keep_working_under_strict_numbers() -> None:
         JobCreate.model_validate(load_job_yaml('steps: "40"\n'))
     with pytest.raises(ValidationError, match="finite"):
         JobCreate.model_validate(load_job_yaml("lr: .nan\n"))
+
+
+def test_cli_submit_sends_yaml_numbers_as_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`tail-ray submit` against the live app: `lr: 1e-5` passes validation (503 from the absent
+    Ray, not 422), a quoted "40" is rejected naming the field."""
+    with LiveServer(make_settings(tmp_path / "db.sqlite", None)) as server:
+        good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+        good.write_text("name: yaml-job\nlr: 1e-5\nsteps: 40\nweight_decay: 5e-4\n")
+        bad.write_text('name: yaml-job\nsteps: "40"\n')
+        base = ["--url", server.url, "--token", API_TOKEN, "submit"]
+        assert cli.main([*base, str(good)]) == cli.EXIT_API
+        assert "HTTP 503" in capsys.readouterr().err
+        assert cli.main([*base, str(bad)]) == cli.EXIT_API
+        err = capsys.readouterr().err
+        assert "rejected the job spec" in err and "steps: Input should be a valid integer" in err
 
 
 # ------------------------------------------------------------------ the error handlers themselves
