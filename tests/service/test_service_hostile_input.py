@@ -208,8 +208,7 @@ def test_error_bodies_are_bounded_strict_json_for_any_input(
      b"\xb2"],  # SUPERSCRIPT TWO (Latin-1): str.isdigit() said yes, then int() raised -> 500
 )  # fmt: skip
 def test_bad_last_event_id_is_a_400_naming_the_header(client: TestClient, value: bytes) -> None:
-    headers = {"Last-Event-ID": value}
-    resp = client.get(f"/v1/jobs/{DONE_JOB}/metrics/stream", headers=headers)  # type: ignore[arg-type]
+    resp = client.get(f"/v1/jobs/{DONE_JOB}/metrics/stream", headers={"Last-Event-ID": value})
     assert resp.status_code == 400, resp.text
     assert resp.json()["code"] == "invalid_header" and "Last-Event-ID" in resp.json()["detail"]
 
