@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from service_support import API_TOKEN, AUTH, LiveServer, make_settings, step_records
+from service_support import API_TOKEN, AUTH, LiveServer, make_settings, seed_finished_job
 
 from service import cli
 from service.job_yaml import load_job_yaml
 from service.main import create_app
 from service.routers.metrics import MAX_STEP
 from service.schemas import JobCreate
-from service.storage import IngestBatch
 
 JSON_TYPE = "application/json"
 JSON = {"content-type": JSON_TYPE}
@@ -50,15 +49,7 @@ def _locs(resp: Any) -> set[str]:
 def client(tmp_path: Path) -> Iterator[TestClient]:
     settings = make_settings(tmp_path / "db.sqlite", None)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
-        storage = c.app.state.storage  # type: ignore[attr-defined]
-        storage.insert_job(
-            job_id=DONE_JOB, name="done", source="api", status="SUCCEEDED", entrypoint="x", spec=None
-        )
-        records = [r for step in range(STEPS) for r in step_records(DONE_JOB, step)]
-        for seq, rec in enumerate(records, start=1):
-            rec["seq"] = seq
-        storage.ingest(DONE_JOB, IngestBatch(records=records, next_seq=len(records)))
-        storage.mark_drained(DONE_JOB)
+        seed_finished_job(c.app.state.storage, DONE_JOB, STEPS)  # type: ignore[attr-defined]
         yield c
 
 

@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
-from service_support import API_TOKEN, LiveServer, make_settings, ray_cluster, step_records
+from service_support import API_TOKEN, LiveServer, make_settings, ray_cluster, seed_finished_job
 
-from service.storage import IngestBatch, Storage
+from service.storage import Storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -84,22 +84,11 @@ def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     empty = tmp / "empty-working-dir"
     empty.mkdir()
     db_path = tmp / "db.sqlite"
-    _seed_finished_job(Storage(db_path))
+    seed_finished_job(Storage(db_path), DONE_JOB, steps=3)
     with ray_cluster(tmp, num_cpus=1) as head:
         app_settings = make_settings(db_path, head, job_working_dir=empty)
         with LiveServer(app_settings) as server:
             yield server.url
-
-
-def _seed_finished_job(storage: Storage) -> None:
-    storage.insert_job(
-        job_id=DONE_JOB, name="done", source="api", status="SUCCEEDED", entrypoint="x", spec=None
-    )
-    records = [r for step in range(3) for r in step_records(DONE_JOB, step)]
-    for seq, rec in enumerate(records, start=1):
-        rec["seq"] = seq
-    storage.ingest(DONE_JOB, IngestBatch(records=records, next_seq=len(records)))
-    storage.mark_drained(DONE_JOB)
 
 
 @pytest.fixture(scope="module")
