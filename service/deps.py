@@ -64,14 +64,8 @@ def _check_token(settings: Settings, credentials: HTTPAuthorizationCredentials |
 
 
 def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
-    """Every mutating route depends on this (and ``routing.AuthFirstRoute`` runs the same
-    check before the body is read)."""
+    """Every mutating route depends on this."""
     _check_token(settings, credentials)
-
-
-async def check_token_of(request: Request) -> None:
-    """``require_token`` on a bare request, for code that runs before FastAPI's dependencies."""
-    _check_token(get_settings(request), await _bearer(request))
 
 
 def guard_reads(settings: SettingsDep, credentials: BearerDep) -> None:
@@ -91,3 +85,9 @@ def load_job(job_id: JobIdPath, storage: StorageDep) -> JobRow:
 
 
 JobDep = Annotated[JobRow, Depends(load_job)]
+
+
+async def check_token_of(request: Request) -> None:
+    """``require_token`` on a bare request: ``routing.AuthFirstRoute`` runs it before FastAPI
+    reads the body (and so before any dependency)."""
+    _check_token(get_settings(request), await _bearer(request))
