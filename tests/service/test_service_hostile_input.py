@@ -272,6 +272,20 @@ def test_every_mutating_route_checks_the_token_before_reading_the_body(client: T
             assert authed.status_code == 404 and authed.json()["code"] == "job_not_found"
 
 
+def test_a_refused_body_is_read_within_the_size_limit(client: TestClient) -> None:
+    """The 401 reads the body (bounded) so the connection stays usable; past the size limit
+    the answer is 413, as for a caller with a token."""
+
+    def chunks(total: int) -> Iterator[bytes]:  # no Content-Length: streamed chunked
+        for _ in range(total // 1024):
+            yield b" " * 1024
+
+    small = client.post("/v1/jobs", content=chunks(8 * 1024), headers=JSON)
+    assert small.status_code == 401
+    huge = client.post("/v1/jobs", content=chunks(128 * 1024), headers=JSON)
+    assert huge.status_code == 413 and huge.json()["code"] == "body_too_large"
+
+
 # ------------------------------------------------------------------ paths and unknown jobs
 def test_unknown_jobs_are_404_and_odd_ids_4xx_on_every_job_route(client: TestClient) -> None:
     job_ops = [(m, p) for m, p, _ in _operations(client) if "{job_id}" in p]
