@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import yaml
 
+from service.job_yaml import load_job_yaml
 from service.ray_head import HeadPorts, LocalRayHead, free_port, ray_env
 
 HOME = Path(os.environ.get("TAIL_RAY_HOME", str(Path.home() / ".tail_ray"))).expanduser()
@@ -116,7 +117,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 # ----------------------------------------------------------------------------- API commands
 def cmd_submit(args: argparse.Namespace) -> int:
     try:
-        spec = yaml.safe_load(Path(args.file).read_text())
+        spec = load_job_yaml(Path(args.file).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise CliError(f"cannot read {args.file}: {exc}") from None
     if not isinstance(spec, dict):

@@ -85,3 +85,9 @@ def load_job(job_id: JobIdPath, storage: StorageDep) -> JobRow:
 
 
 JobDep = Annotated[JobRow, Depends(load_job)]
+
+
+async def check_token_of(request: Request) -> None:
+    """``require_token`` on a bare request: ``routing.AuthFirstRoute`` runs it before FastAPI
+    reads the body (and so before any dependency)."""
+    _check_token(get_settings(request), await _bearer(request))

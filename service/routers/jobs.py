@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends, Query, status
 
 from service.deps import JobDep, RayDep, SettingsDep, StorageDep, guard_reads, require_token
 from service.errors import JobConflict, JobNotFound, RayUnavailable
+from service.routing import AuthFirstRoute
 from service.schemas import JobCreate, JobLogs, JobPublic, JobsPage
 from service.storage import JobRow
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=AuthFirstRoute)
 
 
 def to_public(job: JobRow) -> JobPublic:

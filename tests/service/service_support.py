@@ -15,6 +15,7 @@ import uvicorn
 from service.main import create_app
 from service.ray_head import HeadPorts, LocalRayHead, free_port
 from service.settings import Settings
+from service.storage import IngestBatch, Storage
 from tail_ray.metrics.records import LayerMetric, StepMetric
 
 API_TOKEN = "test-token-0123456789abcdef"
@@ -86,6 +87,20 @@ def step_records(
             ).to_dict()
         )  # fmt: skip
     return out
+
+
+def seed_finished_job(storage: Storage, job_id: str, steps: int) -> None:
+    """A SUCCEEDED job whose sink is drained, with ``steps`` steps of 2-rank metrics, written
+    through ``Storage`` (what the ingester does), so the read routes and the SSE stream run to
+    their end without Ray."""
+    storage.insert_job(
+        job_id=job_id, name="done", source="api", status="SUCCEEDED", entrypoint="x", spec=None
+    )
+    records = [r for step in range(steps) for r in step_records(job_id, step)]
+    for seq, rec in enumerate(records, start=1):
+        rec["seq"] = seq
+    storage.ingest(job_id, IngestBatch(records=records, next_seq=len(records)))
+    storage.mark_drained(job_id)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
