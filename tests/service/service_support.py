@@ -12,8 +12,8 @@ from typing import Any
 
 import uvicorn
 
-from service.main import create_app
 from service.ray_head import HeadPorts, LocalRayHead, free_port
+from service.serve import uvicorn_config
 from service.settings import Settings
 from service.storage import IngestBatch, Storage
 from tail_ray.metrics.records import LayerMetric, StepMetric
@@ -46,6 +46,11 @@ def make_settings(db_path: Path, head: LocalRayHead | None, **overrides: Any) ->
         "sync_interval_s": 0.5,
         "drain_grace_s": 0.5,
         "sse_interval_s": 0.2,
+        # Starlette's TestClient sends "Host: testserver".
+        "allowed_hosts": ["127.0.0.1", "localhost", "::1", "testserver"],
+        # Many tests insert a RUNNING job as a stand-in that Ray never had; the reconciler
+        # would (rightly) mark it lost. Tests of reconciliation set their own value.
+        "lost_after_s": 3600.0,
     }
     if head is not None:
         values["ray_address"] = head.ports.gcs_address
@@ -135,13 +140,13 @@ def chromium_page() -> Iterator[Any]:
 
 
 class LiveServer:
-    """The real app under uvicorn in a thread, on a free loopback port."""
+    """The real app under uvicorn in a thread, on a free loopback port, configured as
+    `tail-ray up` runs it (service/serve.py: request-head timeout and all)."""
 
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(settings, host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:
