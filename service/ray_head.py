@@ -187,6 +187,9 @@ def ray_env(loopback_only: bool = False) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([bin_dir, *[p for p in env.get("PATH", "").split(os.pathsep) if p]])
     if loopback_only:
         env[LOOPBACK_ENV] = "0"
+        # Jobs' gloo process groups: listen and connect on loopback, not on whatever address
+        # the host name resolves to (all ranks share this one node).
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 

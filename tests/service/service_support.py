@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from service.ray_head import HeadPorts, LocalRayHead, free_port
+from service.ray_head import HeadPorts, LocalRayHead, free_port, short_temp_dir
 from service.serve import uvicorn_config
 from service.settings import Settings
 from service.storage import IngestBatch, Storage
@@ -25,10 +25,14 @@ LAYERS = ("conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight")
 
 @contextmanager
 def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
-    """A private Ray head on free ports, this process connected as a driver."""
+    """A private Ray head on free ports, this process connected as a driver. Its own Ray temp
+    dir: a job driver joins the cluster named there, never one someone else started later."""
     import ray
 
-    head = LocalRayHead(HeadPorts.pick(), num_cpus=num_cpus, log_path=tmp_dir / "ray-head.log")
+    temp = short_temp_dir()
+    head = LocalRayHead(
+        HeadPorts.pick(), num_cpus=num_cpus, log_path=tmp_dir / "ray-head.log", temp_dir=temp, stop_grace_s=10
+    )
     head.start()
     try:
         ray.init(address=head.ports.gcs_address, log_to_driver=False, configure_logging=False)
@@ -36,6 +40,7 @@ def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
     finally:
         ray.shutdown()
         head.stop()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def make_settings(db_path: Path, head: LocalRayHead | None, **overrides: Any) -> Settings:
