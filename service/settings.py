@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,9 @@ DEFAULT_HOME = Path.home() / ".tail_ray"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TAIL_RAY_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TAIL_RAY_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     # --- the service's own API ---
     api_token: SecretStr = Field(
@@ -47,7 +49,12 @@ class Settings(BaseSettings):
     ray_address: str = Field("auto", description="GCS address the service's driver connects to.")
     ray_dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray job server (dashboard) URL.")
     ray_auth_token: SecretStr | None = Field(
-        None, description="The Ray cluster's token; when unset it is read from ray_auth_token_path."
+        None,
+        # RAY_AUTH_TOKEN too: Ray's own clients in this process use it, so the service must
+        # know it to scrub it from what it returns and logs.
+        validation_alias=AliasChoices("TAIL_RAY_RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN"),
+        description="The Ray cluster's token (TAIL_RAY_RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN); when "
+        "unset it is read from ray_auth_token_path.",
     )
     ray_auth_token_path: Path = Path.home() / ".ray" / "auth_token"
     job_python: str = Field(

@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import stat
@@ -27,7 +28,7 @@ import pytest
 from service_support import wait_for
 
 from service import cli
-from service.ray_head import HeadPorts, LocalRayHead, ray_token
+from service.ray_head import HeadPorts, LocalRayHead, ray_token, short_temp_dir
 from service.settings import REPO_ROOT
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -41,12 +42,12 @@ READY_LINE = "Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray"
 class Up:
     """A `tail-ray up` subprocess; its output is collected by a thread so the pipe never fills."""
 
-    def __init__(self, home: Path, num_cpus: int) -> None:
+    def __init__(self, home: Path, num_cpus: int, args: tuple[str, ...] = (), **env_extra: str) -> None:
         self.home = home
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TAIL_RAY_", "RAY_"))}
-        env.update(HOME=str(home), PATH=BARE_PATH, RAY_AUTH_MODE="token")
+        env.update(HOME=str(home), PATH=BARE_PATH, RAY_AUTH_MODE="token", **env_extra)
         self.env = env
-        cmd = [str(TAIL_RAY), "up", "--port", "0", "--num-cpus", str(num_cpus)]
+        cmd = [str(TAIL_RAY), "up", "--port", "0", "--num-cpus", str(num_cpus), *args]
         self.proc = subprocess.Popen(
             cmd, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -124,8 +125,8 @@ def home(tmp_path: Path) -> Path:
 def up_factory(home: Path) -> Iterator:
     started: list[Up] = []
 
-    def start(num_cpus: int = 1) -> Up:
-        up = Up(home, num_cpus)
+    def start(num_cpus: int = 1, args: tuple[str, ...] = (), **env_extra: str) -> Up:
+        up = Up(home, num_cpus, args, **env_extra)
         started.append(up)
         return up
 
@@ -302,6 +303,36 @@ def test_up_stops_everything_it_started(how: str, up_factory, home: Path) -> Non
     again.wait_up()
     again.proc.send_signal(signal.SIGTERM)
     assert again.proc.wait(timeout=120) == 0
+
+
+def test_up_on_a_running_cluster_leaves_it_running(up_factory, tmp_path: Path) -> None:
+    """`up --ray-address`: a cluster `up` did not start is not its to stop (nor to make a token
+    for: the cluster's own comes in RAY_AUTH_TOKEN), and `--python` names the interpreter its
+    jobs run with."""
+    temp = short_temp_dir()
+    head = LocalRayHead(num_cpus=1, log_path=tmp_path / "head.log", temp_dir=temp).start()
+    try:
+        token = ray_token()
+        assert token
+        up = up_factory(
+            num_cpus=1,
+            args=("--ray-address", head.address, "--ray-dashboard-url", head.dashboard_url,
+                  "--python", "/opt/cluster/bin/python3"),
+            RAY_AUTH_TOKEN=token,
+        )  # fmt: skip
+        up.wait_up()
+        assert re.search(r"jobs run\s+/opt/cluster/bin/python3$", up.output, re.MULTILINE), up.output
+        assert set(up.pids()) == {"up", "service"}
+        assert not (up.home / ".ray").exists()  # no token made for someone else's cluster
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=120) == 0
+        wait_for(lambda: not up.survivors(), 60, "the service to exit")
+        assert head.process is not None and head.process.poll() is None  # the cluster runs on
+        assert httpx.get(f"{head.dashboard_url}/api/version", headers={"Authorization": f"Bearer {token}"},
+                         timeout=10).status_code == 200  # fmt: skip
+    finally:
+        head.stop()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_head_whose_picked_port_was_taken_starts_on_new_ports(tmp_path: Path) -> None:
