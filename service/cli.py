@@ -28,10 +28,9 @@ from typing import Any
 
 import yaml
 
-from service import stack as stack_mod
 from service.client import Api, CliError, home_dir, state_file
 from service.job_yaml import load_job_yaml
-from service.stack import Stack, StackOptions, StopRequested
+from service.stack import Stack, StackOptions, StopRequested, running
 
 TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
 EXIT_USAGE, EXIT_API = 2, 1
@@ -171,7 +170,7 @@ def _banner(stack: Stack) -> str:
 
 def cmd_up(args: argparse.Namespace) -> int:
     try:
-        with stack_mod.running(_stack_options(args), _say) as stack:
+        with running(_stack_options(args), _say) as stack:
             _say(_banner(stack))
             _say("Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray")
             while True:
@@ -210,7 +209,7 @@ def _result_line(logs: str) -> dict[str, Any]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     try:
-        with stack_mod.running(_stack_options(args), _say) as stack:
+        with running(_stack_options(args), _say) as stack:
             _run_demo(stack, args)
     except StopRequested as stop:
         _say(f"{stop} received: stopped the service and Ray")
