@@ -1,10 +1,13 @@
-"""Request body size limit: a request body over ``max_body_bytes`` gets 413 before any route
+"""Request body limits: a request body over ``max_body_bytes`` gets 413 before any route
 reads it, whether it declares its size (Content-Length, refused at once) or streams it chunked
 (counted as it arrives, refused when it crosses the limit). The biggest legitimate body, a
-job spec, is well under 4 KiB."""
+job spec, is well under 4 KiB. A body that stops arriving for ``read_timeout_s`` gets 408 and
+the connection is closed (a slow-body client would otherwise hold it forever; the request
+head has its own deadline, see service/serve.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -20,10 +23,16 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body over {max_body_bytes} bytes")
 
 
+class BodyReadTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body stalled for {timeout_s:g} s")
+
+
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -40,14 +49,23 @@ class BodySizeLimit:
                 return
         seen = 0
         started = False
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # only http.disconnect is left to wait for (an SSE stream waits long)
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=self.read_timeout_s)
+            except TimeoutError:
+                raise BodyReadTimeout(self.read_timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
                     raise BodyTooLarge(self.max_body_bytes)
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -61,20 +79,25 @@ class BodySizeLimit:
         except BodyTooLarge:
             if not started:
                 await self._reject(send)
+        except BodyReadTimeout as exc:
+            if not started:
+                await self._reject(send, 408, "body_timeout", str(exc.detail))
 
-    async def _reject(self, send: Send) -> None:
-        body: dict[str, Any] = {
-            "code": "body_too_large",
-            "detail": f"request body over {self.max_body_bytes} bytes",
-        }
+    async def _reject(
+        self, send: Send, status: int = 413, code: str = "body_too_large", detail: str = ""
+    ) -> None:
+        detail = detail or f"request body over {self.max_body_bytes} bytes"
+        body: dict[str, Any] = {"code": code, "detail": detail}
         data = json.dumps(body).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(data)).encode()),
+                    # The rest of the body may still be on its way: never read it as a request.
+                    (b"connection", b"close"),
                 ],
             }
         )

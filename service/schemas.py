@@ -47,7 +47,7 @@ SettingValue = bool | int | float | SettingText
 MAX_SETTING_INT = 2**53
 
 TERMINAL_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
-JobStatus = Literal["PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"]
+JobStatus = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
 
 
 class JobCreate(BaseModel):
@@ -134,8 +134,8 @@ class JobCreate(BaseModel):
             validate_job(cfg)
         return cfg
 
-    def entrypoint(self) -> str:
-        args = ["python", "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
+    def entrypoint(self, python: str = "python") -> str:
+        args = [python, "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
         for item in self.overrides():
             args += ["--set", item]
         return shlex.join(args)
