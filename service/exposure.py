@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import error_body
+from service.limits import declares_body, with_connection_close
 
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 
@@ -68,14 +70,13 @@ class HostAllowList:
             return
         detail = f"Host {raw[:200]!r} is not one this service answers to; list it in TAIL_RAY_ALLOWED_HOSTS"
         data = json.dumps(error_body("host_not_allowed", detail)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 400,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(data)).encode()),
-                ],
-            }
-        )
+        start: dict[str, Any] = {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+            ],
+        }
+        await send(with_connection_close(start) if declares_body(scope) else start)
         await send({"type": "http.response.body", "body": data})

@@ -28,6 +28,23 @@ class BodyReadTimeout(HTTPException):
         super().__init__(408, f"the request body stalled for {timeout_s:g} s")
 
 
+def declares_body(scope: Scope) -> bool:
+    """True when the request says a body follows (a non-zero Content-Length, or chunked)."""
+    headers = dict(scope.get("headers") or [])
+    if b"transfer-encoding" in headers:
+        return True
+    return headers.get(b"content-length", b"0").strip() not in (b"", b"0")
+
+
+def with_connection_close(message: Message) -> Message:
+    """``message`` (an http.response.start) saying ``Connection: close``: the client then opens
+    a new connection for its next request instead of reusing one the server is about to close
+    (a reused one would be reset: the server closes a connection whose body it did not read,
+    see service/serve.py)."""
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
@@ -68,10 +85,14 @@ class BodySizeLimit:
                 body_done = True
             return message
 
+        has_body = declares_body(scope)
+
         async def tracking_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                if has_body and not body_done:  # answered before the body was read (401, 404 ...)
+                    message = with_connection_close(message)
             await send(message)
 
         try:
