@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -226,6 +227,7 @@ _INT_FIELDS = frozenset(
 )
 _STR_FIELDS = frozenset({"layer", "code", "method"})
 TERMINAL = ("STOPPED", "SUCCEEDED", "FAILED")
+STOPPING = "STOPPING"  # ours, not Ray's: a stop was asked for and Ray has not finished it
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,12 @@ class IngestBatch:
 class Storage:
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():
+            path.parent.mkdir(mode=0o700, parents=True)
+        if not path.exists():
+            # Owner only: job specs, entrypoints and metrics. SQLite gives the -wal and -shm
+            # files the database file's mode.
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
         self.migrate()
 
     @contextmanager

@@ -1,8 +1,10 @@
-"""Per-layer plumbing shared by the quantizing compressors (Tail, qsgd, topk)."""
+"""Per-layer plumbing of the record compressors: raw records, layer stats, records to tensors."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,6 +13,7 @@ from numba import njit
 from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord, encode_payload
+from tail_ray.errors import CodecError
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +75,23 @@ def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int
     )
 
 
-def records_to_flat(records: list[LayerRecord]) -> dict[str, torch.Tensor]:
-    """Decode records to flat fp32 tensors; quantized layers through the fast numba kernel."""
-    from tail_ray.compression.peers import records_to_tensors
+def record_to_flat(rec: LayerRecord) -> torch.Tensor:
+    """One decoded record as a flat fp32 tensor (raw values are not copied); quantized layers
+    through the fast numba kernel."""
+    if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
+        return torch.from_numpy(dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size))
+    if rec.kind in (Kind.RAW_F32, Kind.RAW_F16) and rec.values is not None:
+        return torch.from_numpy(rec.values)
+    if rec.kind == Kind.SPARSE_F32 and rec.indices is not None and rec.values is not None:
+        dense = np.zeros(rec.numel, dtype=np.float32)
+        dense[rec.indices] = rec.values
+        return torch.from_numpy(dense)
+    raise CodecError(f"record of kind {rec.kind} lacks its arrays", layer=rec.name, field="kind")
 
-    out: dict[str, torch.Tensor] = {}
-    rest: list[LayerRecord] = []
-    for rec in records:
-        if rec.kind == Kind.QUANT and rec.levels is not None and rec.scales is not None:
-            out[rec.name] = torch.from_numpy(dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size))
-        else:
-            rest.append(rec)
-    out.update(records_to_tensors(rest))
-    return {rec.name: out[rec.name] for rec in records}
+
+def records_to_flat(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:
+    """Decoded records to flat fp32 tensors keyed by layer name, in record order."""
+    return {rec.name: record_to_flat(rec) for rec in records}
 
 
 def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
@@ -96,7 +103,7 @@ def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
         return torch.from_numpy(rec.levels.reshape(-1)[::stride].astype(np.float32) * steps)
     if rec.kind in (Kind.RAW_F32, Kind.RAW_F16) and rec.values is not None:
         return torch.from_numpy(np.ascontiguousarray(rec.values.reshape(-1)[::stride], dtype=np.float32))
-    return records_to_flat([rec])[rec.name][::stride]
+    return record_to_flat(rec)[::stride]
 
 
 @njit(cache=True, nogil=True)
@@ -133,16 +140,22 @@ def sample_stack(records: list[LayerRecord], stride: int) -> torch.Tensor:
     return torch.stack([sample_flat(r, stride) for r in records]).double()
 
 
-def encode_with_stats(
-    records: list[LayerRecord], pending: list[tuple[float, int | None]]
-) -> tuple[bytes, list[LayerStats]]:
-    """Encode one step's records and pair each layer's wire cost with its (rel_error, nnz).
+@dataclass(frozen=True, slots=True)
+class CompressedLayer:
+    """What compressing one layer gave: its record, the engine's estimate of the relative
+    error it adds, and its non-zero levels / kept values (None: dense, every value sent)."""
 
-    Shared by every record-producing compressor, so ``last_stats`` means the same for all.
-    """
-    payload, costs = encode_payload(records)
+    record: LayerRecord
+    rel_error: float = 0.0
+    nnz: int | None = None
+
+
+def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[LayerStats]]:
+    """Encode one call's records into one payload and pair each layer's wire cost with its
+    error and density, so ``last_stats`` means the same for every record compressor."""
+    payload, costs = encode_payload([layer.record for layer in layers])
     stats = [
-        layer_stats(rec, cost, err, nnz)
-        for rec, cost, (err, nnz) in zip(records, costs, pending, strict=True)
+        layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+        for layer, cost in zip(layers, costs, strict=True)
     ]
     return payload, stats

@@ -1,14 +1,14 @@
-"""The fast counting pass for large layers (pairs.pair_level_stats_fast) and the own-payload
-shortcut (TailCompressor.decoded_last)."""
+"""The fast counting pass for large layers (pairs.pair_level_stats_fast).
+
+The own-payload shortcut (a compressor's ``aggregate`` takes its own records instead of
+decoding its own payload) is tested in tests/collective/test_decode_average.py."""
 
 import numpy as np
 import pytest
-import torch
 
 from tail_ray.compression import levelcode, pairs, sparse
 from tail_ray.compression.grid import levels_max
 from tail_ray.compression.levelcode import Code
-from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.errors import CodecError
 
 N_LARGE = pairs.GAP_EXACT_NUMEL + 12345  # above the exact-gap size, odd tail on purpose
@@ -84,27 +84,6 @@ def test_large_layer_round_trips_every_code(density: float) -> None:
         c, nnz, body = levelcode.encode_levels(lv, 4, force=code)
         out = levelcode.decode_levels(c, np.frombuffer(body, np.uint8), lv.size, 4, nnz, layer="x")
         np.testing.assert_array_equal(out, lv)
-
-
-def test_decoded_last_equals_decoding_the_payload() -> None:
-    rng = np.random.default_rng(6)
-    grads = {
-        "w": torch.from_numpy(rng.standard_normal(300_000).astype(np.float32)),
-        "b": torch.from_numpy(rng.standard_normal(100).astype(np.float32)),
-    }
-    comp = TailCompressor(TailConfig(seed=1))
-    assert comp.decoded_last() is None
-    for _ in range(2):
-        payload = comp.compress(grads)
-        own = comp.decoded_last()
-        assert own is not None
-        ref = TailCompressor().decompress(payload)
-        assert list(own) == list(ref)
-        for name in ref:
-            torch.testing.assert_close(own[name], ref[name], rtol=0, atol=0)
-        # Raw layers are copies: the hook overwrites the gradient they came from.
-        assert own["b"].data_ptr() != grads["b"].data_ptr()
-        assert comp.decoded_last() is None  # handed out once per compress
 
 
 @pytest.mark.parametrize("bits", [5, 8])

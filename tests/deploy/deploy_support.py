@@ -21,6 +21,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
+# What `kubectl apply -k` / `kubectl create -k` take (deploy/README.md): the long-lived cluster
+# and control plane, and the one-shot jobs.
+KUSTOMIZATIONS = (K8S, K8S / "jobs")
+KUSTOMIZATION_FILE = "kustomization.yaml"
 
 # The Kubernetes versions the manifests must validate against: the oldest we document support for
 # in deploy/README.md and the newest whose schemas kubernetes-validate bundles.
@@ -33,14 +37,55 @@ def pyproject() -> dict[str, Any]:
 
 
 @cache
-def manifests() -> tuple[tuple[Path, dict[str, Any]], ...]:
-    """Every Kubernetes object under deploy/k8s, with the file it came from."""
+def readme() -> str:
+    return (DEPLOY / "README.md").read_text()
+
+
+def kustomization(folder: Path) -> dict[str, Any]:
+    return yaml.safe_load((folder / KUSTOMIZATION_FILE).read_text())
+
+
+def apply_path(folder: Path) -> list[Path]:
+    """The files deploying ``folder`` applies: a kustomization's resources (followed into nested
+    kustomizations) when it has one, else every YAML file in it, as ``kubectl apply -f DIR``."""
+    if not (folder / KUSTOMIZATION_FILE).is_file():
+        return sorted(p for p in folder.glob("*.y*ml"))
     out = []
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc is not None:
-                out.append((path, doc))
+    for entry in kustomization(folder).get("resources", []):
+        path = (folder / entry).resolve()
+        out.extend(apply_path(path) if path.is_dir() else [path])
+    return out
+
+
+@cache
+def manifests() -> tuple[tuple[Path, dict[str, Any]], ...]:
+    """Every Kubernetes object deploy/ applies, with the file it came from."""
+    out = []
+    for folder in KUSTOMIZATIONS:
+        if not folder.is_dir():
+            continue
+        for path in apply_path(folder):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc is not None:
+                    out.append((path, doc))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class SecretCommand:
+    namespace: str
+    name: str
+    keys: frozenset[str]
+
+
+def readme_secret_commands() -> list[SecretCommand]:
+    """The `kubectl ... create secret generic NAME --from-literal=KEY=...` commands of the README."""
+    text = readme().replace("\\\n", " ")
+    out = []
+    for match in re.finditer(r"kubectl\s+(?:-n\s+(\S+)\s+)?create secret generic\s+(\S+)([^\n]*)", text):
+        keys = frozenset(re.findall(r"--from-(?:literal|file)=([\w.-]+)=", match.group(3)))
+        out.append(SecretCommand(match.group(1) or "default", match.group(2), keys))
+    return out
 
 
 def objects(kind: str) -> list[dict[str, Any]]:
@@ -156,13 +201,14 @@ def dockerfile(name: str) -> list[Instruction]:
     return out
 
 
-def arg_defaults(instructions: list[Instruction]) -> dict[str, str]:
+def arg_defaults(instructions: list[Instruction], build_args: dict[str, str] | None = None) -> dict[str, str]:
+    """The ARG values of a build: their defaults, overridden by ``--build-arg`` values."""
     out = {}
     for ins in instructions:
         if ins.keyword == "ARG" and "=" in ins.args:
             key, _, value = ins.args.partition("=")
             out.setdefault(key.strip(), value.strip().strip('"'))
-    return out
+    return {**out, **(build_args or {})}
 
 
 def expand(text: str, args: dict[str, str]) -> str:

@@ -1,10 +1,13 @@
 """The Dockerfiles install this package the way pyproject.toml says, on the Ray image that matches
-the Ray this project runs. No Docker engine here: the files are parsed, not built."""
+the Ray this project runs, and the CUDA image has one CUDA: its base image's and its torch's. No
+Docker engine here: the files are parsed, not built."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
+from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 
 import pytest
@@ -17,6 +20,7 @@ from deploy_support import (
     pip_installs,
     pod_templates,
     pyproject,
+    readme,
     service_deployment,
 )
 from packaging.requirements import Requirement
@@ -25,6 +29,27 @@ from packaging.version import Version
 
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_INDEX = re.compile(r"https://download\.pytorch\.org/whl/(cu\d+)")
+
+
+@dataclass(frozen=True)
+class Cuda:
+    """What a CUDA flavour means for the image. Sources, as checked when this was written:
+    min_driver is the driver NVIDIA's own installer of that CUDA ships
+    (cuda_12.9.0_575.51.03_linux.run, cuda_13.0.0_580.65.06_linux.run); torch_minors are torch
+    releases the PyTorch index of that flavour carries: cu129 has 2.8 to 2.13 (noted by
+    apple/coreai-optimization#64 when it moved off cu128, which stops at 2.11), and 2.13 is a
+    CUDA 13.0 build (PyPI's torch 2.13.0 requires cuda-toolkit==13.0.3: `pip install --dry-run
+    --report` on it)."""
+
+    min_driver: str
+    torch_minors: frozenset[str]
+
+
+CUDA_FLAVOURS = {
+    "cu129": Cuda("575.51.03", frozenset(f"2.{m}" for m in range(8, 14))),
+    "cu130": Cuda("580.65.06", frozenset({"2.13"})),
+}
 
 
 def requirement(name: str) -> Requirement:
@@ -32,9 +57,9 @@ def requirement(name: str) -> Requirement:
     return req
 
 
-def base_image(instructions: list[Instruction]) -> tuple[str, str]:
+def base_image(instructions: list[Instruction], build_args: dict[str, str] | None = None) -> tuple[str, str]:
     (frm,) = [i for i in instructions if i.keyword == "FROM"]
-    image = expand(frm.args.split()[0], arg_defaults(instructions))
+    image = expand(frm.args.split()[0], arg_defaults(instructions, build_args))
     repo, _, tag = image.partition(":")
     return repo, tag
 
@@ -106,7 +131,8 @@ def test_cpu_and_cuda_images_are_the_matching_pair():
     cuda_tag = base_image(dockerfile("Dockerfile.cuda"))[1]
     assert cpu_tag.endswith("-cpu")
     cuda_flavour = cuda_tag.rsplit("-", 1)[1]
-    assert cuda_flavour == "gpu" or cuda_flavour.startswith("cu"), cuda_tag
+    # `-gpu` is an alias (CUDA 12.1 for years) that says nothing about the CUDA torch must match.
+    assert re.fullmatch(r"cu\d+", cuda_flavour), f"{cuda_tag}: name the CUDA (cuXYZ), not an alias"
     assert cpu_tag.rsplit("-", 1)[0] == cuda_tag.rsplit("-", 1)[0], "same Ray and Python in both"
 
 
@@ -136,20 +162,67 @@ def test_package_install_line_matches_pyproject(name):
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_torch_range_is_pyprojects_and_installed_before_the_package(name):
+def test_torch_is_installed_before_the_package_within_pyprojects_range(name):
     instructions = dockerfile(name)
     position, words = torch_install(instructions)
     (spec,) = [Requirement(a) for a in requirement_args(words)]
-    assert spec.specifier == requirement("torch").specifier, (str(spec), str(requirement("torch")))
     package_position = pip_installs(instructions).index(package_install(instructions))
     assert position < package_position, "torch first, so the package install finds it satisfied"
-    uses_cpu_index = CPU_TORCH_INDEX in words
     if name == "Dockerfile":
+        assert spec.specifier == requirement("torch").specifier, (str(spec), str(requirement("torch")))
         assert words[words.index("--index-url") + 1] == CPU_TORCH_INDEX, (
             "the CPU image must not pull CUDA torch"
         )
     else:
-        assert not uses_cpu_index, "the CUDA image needs a CUDA build of torch"
+        # One minor release, inside pyproject's range: a torch that the CUDA index lacks fails
+        # the build rather than pip silently falling back to an older release.
+        allowed = _minors_allowed(spec)
+        assert len(allowed) == 1, f"{spec}: pin one torch minor release in the CUDA image"
+        assert allowed <= _minors_allowed(requirement("torch")), (str(spec), str(requirement("torch")))
+
+
+def _minors_allowed(req: Requirement) -> set[str]:
+    candidates = [Version(f"2.{m}.{p}") for m in range(0, 30) for p in range(0, 10)]
+    return {f"{v.major}.{v.minor}" for v in candidates if v in req.specifier}
+
+
+@pytest.mark.parametrize(
+    "build_args", [{}, *({"CUDA": c} for c in CUDA_FLAVOURS)], ids=lambda a: a.get("CUDA", "default")
+)
+def test_cuda_image_has_one_cuda(build_args):
+    """The base image's CUDA and the CUDA of the torch wheel index are the same, for the default
+    build and for every --build-arg CUDA the Dockerfile documents; and the torch it pins exists on
+    that index."""
+    instructions = dockerfile("Dockerfile.cuda")
+    args = arg_defaults(instructions, build_args)
+    base_cuda = base_image(instructions, build_args)[1].rsplit("-", 1)[1]
+    _, words = torch_install(instructions)
+    indexes = [expand(words[i + 1], args) for i, w in enumerate(words) if w in ("-i", "--index-url")]
+    assert len(indexes) == 1 and "--extra-index-url" not in words, (
+        f"torch must come from exactly one PyTorch CUDA index, got {words}"
+    )
+    index_cuda = TORCH_INDEX.fullmatch(indexes[0])
+    assert index_cuda, f"{indexes[0]} is not a PyTorch CUDA wheel index"
+    assert index_cuda.group(1) == base_cuda, f"base image CUDA {base_cuda}, torch from {indexes[0]}"
+    assert base_cuda in CUDA_FLAVOURS, f"{base_cuda}: no known driver minimum / torch coverage"
+    (spec,) = [Requirement(a) for a in requirement_args(words)]
+    (minor,) = _minors_allowed(spec)
+    assert minor in CUDA_FLAVOURS[base_cuda].torch_minors, f"torch {minor} is not on the {base_cuda} index"
+
+
+def test_cuda_choices_and_driver_minimums_are_documented():
+    """The default CUDA and every alternative the Dockerfile offers come with the NVIDIA driver
+    they need, in the Dockerfile and in deploy/README.md."""
+    text = (DEPLOY / "Dockerfile.cuda").read_text()
+    default = arg_defaults(dockerfile("Dockerfile.cuda"))["CUDA"]
+    offered = set(re.findall(r"\b(cu\d{3})\b", text)) & set(CUDA_FLAVOURS)
+    assert default in offered
+    for cuda in offered:
+        driver = CUDA_FLAVOURS[cuda].min_driver
+        assert re.search(rf"{cuda}\s.*{re.escape(driver)}", text), (
+            f"Dockerfile.cuda: {cuda} without driver {driver}"
+        )
+        assert cuda in readme() and driver in readme(), f"deploy/README.md: {cuda} without driver {driver}"
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

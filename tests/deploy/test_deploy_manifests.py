@@ -1,5 +1,6 @@
 """deploy/: every file parses, the Kubernetes manifests validate, and they agree with each other
-and with the code they run (job config, service settings, Ray token auth, elastic range)."""
+and with the code they run (job config, service settings, Ray token auth, elastic range). The
+ray.io objects against KubeRay's own CRDs: test_deploy_kuberay.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import copy
 import importlib
 import json
 import math
+import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,11 +20,16 @@ import pytest
 import yaml
 from deploy_support import (
     DEPLOY,
+    K8S,
+    KUSTOMIZATION_FILE,
+    KUSTOMIZATIONS,
     OLDEST_K8S,
     REPO,
+    apply_path,
     arg_defaults,
     dockerfile,
     env_of,
+    kustomization,
     manifests,
     objects,
     pod_templates,
@@ -28,13 +37,15 @@ from deploy_support import (
     pyproject,
     ray_cluster,
     ray_job,
+    readme,
+    readme_secret_commands,
     service_deployment,
     service_env_names,
     service_service,
     walk,
 )
 from fastapi.testclient import TestClient
-from kuberay_schema import kuberay_errors
+from kuberay_schema import kuberay_errors, supported_versions
 
 NEWEST_K8S = kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version())
 K8S_VERSIONS = (OLDEST_K8S, NEWEST_K8S)
@@ -54,7 +65,9 @@ def k8s_errors(doc: dict, version: str) -> list[str]:
 
 def validation_errors(doc: dict, version: str) -> list[str]:
     if doc["apiVersion"] == "ray.io/v1":
-        return kuberay_errors(doc, version)
+        # Every supported KubeRay: test_deploy_kuberay.py; here the newest, with the pod
+        # templates against this Kubernetes version.
+        return kuberay_errors(doc, supported_versions()[-1], version)
     return k8s_errors(doc, version)
 
 
@@ -74,7 +87,6 @@ def test_manifests_cover_the_product():
     kinds = sorted({doc["kind"] for _, doc in manifests()})
     for kind in (
         "Namespace",
-        "Secret",
         "PersistentVolumeClaim",
         "RayCluster",
         "RayJob",
@@ -107,21 +119,8 @@ def test_validators_reject_mistakes():
     assert k8s_errors(svc, NEWEST_K8S)
 
     rc = copy.deepcopy(ray_cluster())
-    rc["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 2  # must be a string
-    assert any("num-cpus" in e for e in kuberay_errors(rc, NEWEST_K8S))
-    rc = copy.deepcopy(ray_cluster())
     rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["enviroment"] = []
-    assert any("enviroment" in e for e in kuberay_errors(rc, NEWEST_K8S))
-    rc = copy.deepcopy(ray_cluster())
-    del rc["spec"]["workerGroupSpecs"][0]["maxReplicas"]
-    assert any("maxReplicas" in e for e in kuberay_errors(rc, NEWEST_K8S))
-
-    job = copy.deepcopy(ray_job())
-    job["spec"]["rayClusterSpec"] = copy.deepcopy(ray_cluster()["spec"])  # with clusterSelector too
-    assert kuberay_errors(job, NEWEST_K8S)
-    job = copy.deepcopy(ray_job())
-    del job["spec"]["entrypoint"]
-    assert any("entrypoint" in e for e in kuberay_errors(job, NEWEST_K8S))
+    assert any("enviroment" in e for e in validation_errors(rc, NEWEST_K8S))
 
 
 # --- the manifests agree with each other -----------------------------------------------------
@@ -135,17 +134,22 @@ def test_everything_lives_in_one_namespace():
             assert doc["metadata"].get("namespace") == NAMESPACE, f"{doc['kind']}/{doc['metadata']['name']}"
 
 
+def _readme_secrets() -> dict[str, frozenset[str]]:
+    return {cmd.name: cmd.keys for cmd in readme_secret_commands() if cmd.namespace == NAMESPACE}
+
+
 def test_secret_and_volume_references_resolve():
-    secrets = {
-        s["metadata"]["name"]: set(s.get("stringData", {}) | s.get("data", {})) for s in objects("Secret")
-    }
+    """Every Secret key a manifest reads is one deploy/README.md's `kubectl create secret`
+    commands make (the Secrets are not in any applied file), and every claim exists."""
+    secrets = _readme_secrets()
+    assert set(secrets) >= {RAY_SECRET[0], API_SECRET[0]}, secrets
     claims = {c["metadata"]["name"]: c for c in objects("PersistentVolumeClaim")}
     refs = 0
     for _, doc in manifests():
         for node in walk(doc):
             if isinstance(node, dict) and "secretKeyRef" in node:
                 ref = node["secretKeyRef"]
-                assert ref["key"] in secrets.get(ref["name"], set()), f"secretKeyRef {ref} has no Secret/key"
+                assert ref["key"] in secrets.get(ref["name"], set()), f"{ref}: no README secret has it"
                 refs += 1
             if isinstance(node, dict) and "persistentVolumeClaim" in node:
                 assert node["persistentVolumeClaim"]["claimName"] in claims, node
@@ -157,13 +161,47 @@ def test_secret_and_volume_references_resolve():
                 assert mount["name"] in volumes, f"{pod.where}: mount {mount['name']} has no volume"
 
 
-def test_committed_secrets_are_placeholders():
-    """The committed Secret values must be unusable as they are (README step 3 makes real ones)."""
-    for secret in objects("Secret"):
-        for key, value in secret.get("stringData", {}).items():
-            assert value.startswith("REPLACE-ME"), (
-                f"{secret['metadata']['name']}.{key} looks like a real token"
-            )
+def test_no_secret_in_the_apply_path():
+    """Re-applying deploy/k8s must never overwrite the real tokens: no Secret object, and no
+    kustomize secretGenerator with inline values, in anything `kubectl apply` takes from there."""
+    found = []
+    for path in sorted(K8S.rglob("*.y*ml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not isinstance(doc, dict):
+                continue
+            if doc.get("kind") == "Secret":
+                found.append(f"{path.relative_to(REPO)}: Secret/{doc.get('metadata', {}).get('name')}")
+            for generator in doc.get("secretGenerator", []) if path.name == KUSTOMIZATION_FILE else []:
+                if generator.get("literals"):
+                    name = generator.get("name")
+                    found.append(f"{path.relative_to(REPO)}: secretGenerator {name} with literals")
+    assert not found, f"secrets in the apply path (create them with kubectl instead): {found}"
+
+
+def test_every_file_under_k8s_is_applied_by_a_kustomization():
+    """A YAML file no kustomization lists is applied by no documented command: it is dead, or
+    someone applies it by hand with `kubectl apply -f`, which is how placeholder secrets got
+    applied over real ones."""
+    listed = {p for folder in KUSTOMIZATIONS for p in apply_path(folder)}
+    components = {
+        (folder / c).resolve()
+        for folder in KUSTOMIZATIONS
+        for c in kustomization(folder).get("components", [])
+    }
+    for path in sorted(K8S.rglob("*.y*ml")):
+        if path.name == KUSTOMIZATION_FILE:
+            assert path.parent.resolve() in {f.resolve() for f in KUSTOMIZATIONS} | components, path
+            continue
+        assert path.resolve() in listed, f"{path.relative_to(REPO)} is in no kustomization"
+
+
+def test_readme_makes_random_tokens():
+    """The README's secret commands generate each token (a random value, never a literal)."""
+    text = readme().replace("\\\n", " ")
+    commands = re.findall(r"kubectl[^\n]*create secret generic[^\n]*", text)
+    assert len(commands) >= 2, commands
+    for command in commands:
+        assert "$(" in command and "secrets.token_" in command, command
 
 
 def _is_secret_env(item: dict, secret: tuple[str, str]) -> bool:
@@ -173,7 +211,8 @@ def _is_secret_env(item: dict, secret: tuple[str, str]) -> bool:
 
 def test_token_auth_on_every_ray_process():
     """Ray 2.60 token auth: every Ray node, the autoscaler, the job submitter and the control plane
-    run with RAY_AUTH_MODE=token and the cluster token from the Secret, never inline."""
+    run with RAY_AUTH_MODE=token and the cluster token from the Secret, never inline. (That the
+    operator gets it too: test_deploy_kuberay.py.)"""
     containers = [(pod.where, pod.main) for pod in pod_templates()]
     autoscaler = ray_cluster()["spec"]["autoscalerOptions"]
     containers.append(("RayCluster autoscaler", autoscaler))
@@ -195,6 +234,45 @@ def test_one_image_everywhere_tagged_with_the_package_version():
     version = pyproject()["project"]["version"]
     images = {c["image"] for pod in pod_templates() for c in pod.containers}
     assert images == {f"tail-ray:{version}"}, images
+    # Both kustomizations take the image from one component, which keeps that tag.
+    (component,) = {
+        (folder / c).resolve()
+        for folder in KUSTOMIZATIONS
+        for c in kustomization(folder).get("components", [])
+    }
+    for folder in KUSTOMIZATIONS:
+        assert [(folder / c).resolve() for c in kustomization(folder)["components"]] == [component]
+    (image,) = kustomization(component)["images"]
+    assert (image["name"], image["newTag"]) == ("tail-ray", version)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) not installed")
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=lambda f: str(f.relative_to(DEPLOY)))
+def test_kustomize_renders_the_files_with_the_registry_image(folder, tmp_path):
+    """`kubectl kustomize` (what `kubectl apply -k` runs) renders exactly the objects of the files,
+    with the image the component names in every container, the RayCluster's and RayJob's too."""
+    copy_root = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy_root)
+    component = copy_root / "k8s" / "image" / KUSTOMIZATION_FILE
+    text = component.read_text()
+    assert "newName: tail-ray\n" in text
+    component.write_text(text.replace("newName: tail-ray\n", "newName: registry.example.com/team/tail-ray\n"))
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(copy_root / folder.relative_to(DEPLOY))],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    expected = [doc for path, doc in manifests() if path in set(apply_path(folder))]
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, docs)) == sorted(map(key, expected))
+    containers = [n for d in docs for n in walk(d) if isinstance(n, dict) and "image" in n and "name" in n]
+    version = pyproject()["project"]["version"]
+    assert containers and {c["image"] for c in containers} == {
+        f"registry.example.com/team/tail-ray:{version}"
+    }
 
 
 def test_ray_cluster_version_and_ports():
@@ -264,7 +342,16 @@ def test_elastic_range_matches_the_worker_group():
     assert workers_per_pod >= 1, f"a worker ({per_worker}) does not fit a pod ({pod_cpus} CPUs)"
     assert group["minReplicas"] * workers_per_pod == min_workers
     assert group["maxReplicas"] * workers_per_pod == max_workers
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_autoscaled_worker_groups_leave_replicas_to_the_autoscaler():
+    """With the in-tree autoscaler on, a `replicas` in the manifest is re-applied by every
+    `kubectl apply` and resets a group the autoscaler grew mid-job."""
+    spec = ray_cluster()["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    for group in spec["workerGroupSpecs"]:
+        assert "replicas" not in group, f"worker group {group['groupName']} sets replicas"
+        assert group["minReplicas"] <= group["maxReplicas"]
 
 
 def test_rayjob_submitter_gets_kuberays_submit_command():
@@ -307,7 +394,10 @@ def test_checkpoints_go_to_storage_every_ray_pod_shares():
 
 
 def _uvicorn_app(argv: list[str]):
-    """Build the app the container's uvicorn command names (without starting it)."""
+    """Build the app the container's command serves (without starting it): `python -m
+    service.serve` (the service's own uvicorn runner) or a plain uvicorn command line."""
+    if argv[:3] == ["python", "-m", "service.serve"]:
+        argv = ["uvicorn", "--factory", "service.main:create_app", *argv[3:]]
     assert argv[0] == "uvicorn", argv
     factory = "--factory" in argv
     (target,) = [a for a in argv[1:] if ":" in a and not a.startswith("-")]
@@ -333,11 +423,23 @@ def test_service_deployment_runs_the_app_with_its_settings():
     app = _uvicorn_app(argv)
     routes = set(app.openapi()["paths"])
     assert {"/metrics", "/healthz", "/readyz"} <= routes
-    client = TestClient(app)  # no lifespan: the probes' route must answer without Ray or a database
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        get = container[probe]["httpGet"]
+    client = TestClient(app)  # no lifespan: startup and liveness must answer without Ray or a database
+    probes = {p: container[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    for probe, get in probes.items():
         assert get["port"] == "http", probe
-        assert client.get(get["path"]).status_code == 200, probe
+        assert get["path"] in routes, probe
+    # Alive is "the process serves"; ready is "it can run jobs": the database takes a write and
+    # Ray answers. A Ray outage takes the pod out of the Service, it never restarts it.
+    assert probes["readinessProbe"]["path"] == "/readyz"
+    for probe in ("startupProbe", "livenessProbe"):
+        assert probes[probe]["path"] == "/healthz", probe
+        assert client.get(probes[probe]["path"]).status_code == 200, probe
+    # /readyz waits up to the service's Ray timeout: the kubelet must wait longer, or a slow Ray
+    # reads as a probe timeout instead of /readyz's own answer.
+    from service.settings import Settings
+
+    ray_timeout_s = Settings.model_fields["ray_timeout_s"].default
+    assert container["readinessProbe"]["timeoutSeconds"] > ray_timeout_s
 
     env = env_of(container)
     known = service_env_names()
@@ -347,14 +449,14 @@ def test_service_deployment_runs_the_app_with_its_settings():
             assert name in known, f"{name} is not a setting of service/settings.py ({sorted(known)})"
     assert _is_secret_env(env["TAIL_RAY_API_TOKEN"], API_SECRET)
 
-    # The database sits on the service's own ReadWriteOnce volume.
+    # The database sits on the service's own volume, which only one pod may mount at a time.
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     db_path = env["TAIL_RAY_DB_PATH"]["value"]
     (mount,) = [p for p in mounts if db_path.startswith(p.rstrip("/") + "/")]
     claim_name = volumes[mounts[mount]]["persistentVolumeClaim"]["claimName"]
     (claim,) = [c for c in objects("PersistentVolumeClaim") if c["metadata"]["name"] == claim_name]
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOncePod"]
 
 
 def test_service_points_at_the_heads_job_server_and_client_port():
@@ -399,3 +501,80 @@ def test_jobs_from_the_service_find_their_code_in_the_image():
     assert Path(BASE_CONFIG).parts[0] in copied, f"{BASE_CONFIG} is not in a directory the image copies"
     assert (REPO / BASE_CONFIG).is_file()
     assert {pod.main.get("workingDir") for pod in pod_templates() if pod.ray_node} == {"/home/ray/tail-ray"}
+
+
+# --- storage and pod security ------------------------------------------------------------------
+
+
+def test_checkpoint_claim_names_its_storage_class():
+    """The shared checkpoint claim must not fall back to the cluster's default class, which can
+    rarely do ReadWriteMany: the class is an explicit slot the README tells the user to set."""
+    (claim,) = [c for c in objects("PersistentVolumeClaim") if "ReadWriteMany" in c["spec"]["accessModes"]]
+    slot = claim["spec"].get("storageClassName")
+    assert slot, "the ReadWriteMany claim has no storageClassName"
+    assert slot in readme(), f"deploy/README.md never tells the user to replace {slot!r}"
+    # ... and says what to do when the class is NFS and ignores fsGroup.
+    caveat = re.search(r"NFS[^.]*fsGroup|fsGroup[^.]*NFS", readme())
+    assert caveat, "deploy/README.md: the NFS fsGroup caveat is missing"
+
+
+# Pod Security Standards, "restricted" profile (kubernetes.io/docs/concepts/security/pod-security-standards).
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def _restricted_violations(where: str, pod_spec: dict, containers: list[dict]) -> list[str]:
+    out = []
+    pod_sc = pod_spec.get("securityContext", {})
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(flag):
+            out.append(f"{where}: {flag}")
+    for volume in pod_spec.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"{where}: volume {volume['name']} is {kinds}")
+    for container in containers:
+        sc = {**pod_sc, **container.get("securityContext", {})}
+        name = f"{where} container {container.get('name', '?')}"
+        if sc.get("runAsNonRoot") is not True:
+            out.append(f"{name}: runAsNonRoot is not true")
+        if sc.get("runAsUser") == 0:
+            out.append(f"{name}: runAsUser 0")
+        if sc.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: no seccompProfile RuntimeDefault")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation is not false")
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        caps = container.get("securityContext", {}).get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities do not drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: adds capabilities {caps['add']}")
+    return out
+
+
+def test_every_pod_meets_pod_security_restricted():
+    """Every pod template, and the autoscaler container KubeRay adds to the head pod from
+    autoscalerOptions, meets the "restricted" Pod Security profile (seccompProfile RuntimeDefault
+    included), so the namespace can enforce it."""
+    violations = []
+    for pod in pod_templates():
+        violations += _restricted_violations(pod.where, pod.spec, pod.containers)
+    cluster = ray_cluster()["spec"]
+    head_spec = cluster["headGroupSpec"]["template"]["spec"]
+    autoscaler = {"name": "autoscaler", **cluster["autoscalerOptions"]}
+    violations += _restricted_violations("RayCluster head", {**head_spec, "volumes": []}, [autoscaler])
+    assert not violations, violations
+    (ns,) = objects("Namespace")
+    labels = ns["metadata"]["labels"]
+    assert labels.get("pod-security.kubernetes.io/warn") == "restricted"
+    assert labels.get("pod-security.kubernetes.io/enforce") in ("baseline", "restricted")

@@ -11,14 +11,17 @@ import yaml
 from deploy_support import (
     DEPLOY,
     env_of,
+    objects,
     ports_of,
     ray_cluster,
+    readme,
     service_deployment,
     service_metric_names,
-    service_service,
 )
 
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+RULES = DEPLOY / "prometheus" / "tail-ray-rules.yml"
+PROMETHEUS_RULE = DEPLOY / "prometheus" / "prometheusrule.yaml"
 DASHBOARD = DEPLOY / "grafana" / "tail-ray-dashboard.json"
 
 # The service's Prometheus names as its source spelled them when this was written. Used only when
@@ -73,17 +76,33 @@ def _scrape_jobs() -> dict[str, dict]:
     return {job["job_name"]: job for job in config["scrape_configs"]}
 
 
-def test_prometheus_scrapes_the_service_through_its_service_object():
+def test_prometheus_scrapes_the_service_even_while_it_is_not_ready():
+    """Readiness is /readyz, false while Ray is down, and a ClusterIP Service drops a pod that
+    is not ready. Prometheus therefore scrapes through a headless Service that publishes
+    not-ready pods: else "cannot reach Ray" would read as "service down", and
+    tail_ray_ingest_up == 0 would never be scraped to alert on."""
     job = _scrape_jobs()["tail-ray-service"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    svc = service_service()
-    (port,) = svc["spec"]["ports"]
-    name, ns = svc["metadata"]["name"], svc["metadata"]["namespace"]
     targets = [t for group in job["static_configs"] for t in group["targets"]]
-    assert targets == [f"{name}.{ns}.svc.cluster.local:{port['port']}"]
-    # ... and that Service port reaches the container port the app listens on.
-    container = service_deployment()["spec"]["template"]["spec"]["containers"][0]
-    assert ports_of(container)[port["targetPort"]] == port["port"]
+    (target,) = targets
+    host, _, port = target.rpartition(":")
+    services = {
+        f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc.cluster.local": s
+        for s in objects("Service")
+    }
+    assert host in services, f"{host} is no Service of deploy/k8s"
+    svc = services[host]
+    assert svc["spec"].get("publishNotReadyAddresses") is True, f"{host} hides the pod while it is not ready"
+    assert svc["spec"].get("clusterIP") == "None", "headless: the name resolves to the pod itself"
+    # It selects the control plane's pods, on the port the app listens on.
+    dep = service_deployment()
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    target_port = svc_port["targetPort"]
+    resolved = ports_of(container)[target_port] if isinstance(target_port, str) else target_port
+    assert resolved == ports_of(container)["http"], "the metrics Service must reach the app's port"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
 def test_prometheus_discovers_every_ray_metrics_port():
@@ -230,9 +249,20 @@ def test_alert_rules_load_and_use_exported_metrics():
 
 
 def test_prometheus_can_read_metrics_when_reads_need_the_token():
-    """With TAIL_RAY_READ_REQUIRES_TOKEN=true the service guards /metrics too; the scrape job must
-    then send the API token."""
+    """A service reached beyond loopback (the Deployment serves on 0.0.0.0) guards /metrics too
+    unless TAIL_RAY_READ_REQUIRES_TOKEN=false; the scrape job must then send the API token."""
     env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
-    guarded = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "false")).lower() in ("1", "true")
+    setting = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "")).lower()
+    guarded = setting not in ("0", "false")
     job = _scrape_jobs()["tail-ray-service"]
     assert not guarded or "authorization" in job or "bearer_token_file" in job
+
+
+def test_prometheus_rule_carries_the_alerts_and_a_release_label():
+    """The PrometheusRule for kube-prometheus-stack holds exactly the alerts of the rules file, and
+    the `release` label its default ruleSelector matches on; the README says how to set it."""
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    assert rule["metadata"]["labels"].get("release"), "kube-prometheus-stack ignores rules without it"
+    assert re.search(r"kubectl label --local[^\n]*release=", readme()), "README: how to set the release label"

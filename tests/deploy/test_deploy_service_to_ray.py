@@ -187,3 +187,19 @@ def test_a_wrong_token_is_refused_with_a_clear_error(head, tmp_path):
     out = _run_probe(_service_env(head, wrong, tmp_path))
     assert "jobs" not in out, out
     assert "error" in out and wrong not in out["error"], out  # refused, and the token is not echoed
+
+
+def test_jobs_api_answers_the_operator_only_with_the_token(head):
+    """Why the RayCluster needs spec.authOptions, on a real Ray head with token auth: Ray's Jobs
+    API refuses a request without the token (what KubeRay sends without authOptions, so a RayJob
+    is never seen to finish) and answers one with the token in the header KubeRay's dashboard
+    client uses (`x-ray-authorization: Bearer ...`). deploy/README.md's token check is this."""
+    base = f"http://127.0.0.1:{head.ports['dashboard']}/api/jobs/"
+    assert httpx.get(base, timeout=CLIENT_TIMEOUT_S).status_code == 401
+    wrong = {"x-ray-authorization": f"Bearer {secrets.token_hex(32)}"}
+    assert httpx.get(base, headers=wrong, timeout=CLIENT_TIMEOUT_S).status_code in (401, 403)
+    kuberay = {"x-ray-authorization": f"Bearer {head.token}"}
+    assert httpx.get(base, headers=kuberay, timeout=CLIENT_TIMEOUT_S).status_code == 200
+    # The call the operator makes to follow a RayJob: the job's info, by its submission id.
+    info = httpx.get(base + PROBE_JOB_ID, headers=kuberay, timeout=CLIENT_TIMEOUT_S)
+    assert info.status_code == 200 and info.json()["submission_id"] == PROBE_JOB_ID, info.text

@@ -1,3 +1,5 @@
+"""The fixed-setting baselines qsgd and topk, and the compressor registry's errors."""
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,16 @@ def test_qsgd_rejects_bad_bits():
         make_compressor("qsgd", bits=1)
 
 
+def test_an_unknown_setting_names_the_known_ones():
+    with pytest.raises(
+        ConfigError, match=r"compressor 'qsgd': unknown setting\(s\) \['bitz'\]; choose from"
+    ) as info:
+        make_compressor("qsgd", bitz=4)
+    assert "'bits'" in str(info.value) and "'bucket_size'" in str(info.value)
+    with pytest.raises(ConfigError, match="compressor 'none' takes no settings"):
+        make_compressor("none", bits=4)
+
+
 def test_topk_keeps_largest_and_feeds_back_the_rest():
     comp = make_compressor("topk", density=0.05)
     g = _grads(1)
@@ -57,7 +69,7 @@ def test_topk_rejects_bad_density():
         make_compressor("topk", density=0.0)
 
 
-def test_peers_send_nonfinite_layers_raw():
+def test_baselines_send_nonfinite_layers_raw():
     g = _grads(2)
     g["w"][0, 0] = float("inf")
     for name in ("qsgd", "topk"):
