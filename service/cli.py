@@ -8,6 +8,7 @@ service's REST API (service/client.py).
     tail-ray jobs                list jobs
     tail-ray metrics JOB_ID      per-layer table and totals
     tail-ray stop JOB_ID | logs JOB_ID
+    tail-ray warmup              compile the codec's numba kernels once, into the shared cache
 
 Every command except `up`/`demo` only speaks HTTP to the service; the URL and API token come
 from --url/--token, else TAIL_RAY_URL/TAIL_RAY_API_TOKEN, else the file `up` writes
@@ -30,9 +31,10 @@ import yaml
 
 from service.client import Api, CliError, home_dir, state_file
 from service.job_yaml import load_job_yaml
-from service.stack import Stack, StackOptions, StopRequested, running
+from service.stack import Stack, StackOptions, StopRequested, running, warm_kernels
 
 TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
+DEFAULT_MAX_WORLD = 8  # tail_ray.warmup's default, named here without importing torch
 EXIT_USAGE, EXIT_API = 2, 1
 __all__ = ["EXIT_API", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
@@ -137,7 +139,16 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         ray_address=args.ray_address,
         ray_dashboard_url=args.ray_dashboard_url,
         job_python=args.python,
+        # The demo's jobs, and any job of up to 8 ranks, find every kernel compiled.
+        warmup_max_world=max(DEFAULT_MAX_WORLD, getattr(args, "workers", 0)),
     )
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    if args.max_world < 1:
+        raise CliError(f"--max-world must be at least 1, got {args.max_world}")
+    warm_kernels(args.max_world, _say)
+    return 0
 
 
 def _banner(stack: Stack) -> str:
@@ -301,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="a local Ray head and the service (restarted if it dies); Ctrl-C, SIGTERM, SIGHUP stop both",
-        description="Start a loopback-only Ray head and the service on 127.0.0.1, and supervise them: a"
+        description="Compile the codec's kernels into the shared cache (as `tail-ray warmup`; seconds once"
+        " cached), start a loopback-only Ray head and the service on 127.0.0.1, and supervise them: a"
         " service that dies is restarted (Ray and its jobs keep running). Ctrl-C, SIGTERM or SIGHUP"
         " stops the service, then Ray. One `up` per TAIL_RAY_HOME (default ~/.tail_ray).",
     )
@@ -328,6 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="print a job's driver log")
     logs.add_argument("job_id")
     logs.set_defaults(func=cmd_logs)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile the codec's kernels once into the shared cache (up and demo do it themselves)",
+        description="Compile every numba kernel of tail_ray into the cache that every process on this "
+        "machine reads ($NUMBA_CACHE_DIR, else ~/.tail_ray/numba-cache), so that no Ray worker spends "
+        "its first step compiling. Takes about a minute the first time, seconds afterwards.",
+    )
+    warm.add_argument(
+        "--max-world",
+        type=int,
+        default=DEFAULT_MAX_WORLD,
+        help="compile the rank means up to this many ranks (default: %(default)s)",
+    )
+    warm.set_defaults(func=cmd_warmup)
     return parser
 
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -214,7 +215,10 @@ class LocalRayHead:
         object_store_bytes: int | None = None,
         die_with_parent: bool = False,
         stop_grace_s: float = STOP_GRACE_S,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``env``: variables added to the node's environment, which its raylet hands on to every
+        worker and job driver (e.g. the shared kernel cache, NUMBA_CACHE_DIR)."""
         self.ports = ports or HeadPorts.pick()
         self.num_cpus = num_cpus
         self.log_path = log_path
@@ -224,6 +228,7 @@ class LocalRayHead:
         self.object_store_bytes = object_store_bytes
         self.die_with_parent = die_with_parent
         self.stop_grace_s = stop_grace_s
+        self.extra_env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
         self.node_processes: list[subprocess.Popen[bytes]] = []
 
@@ -237,6 +242,7 @@ class LocalRayHead:
 
     def env(self) -> dict[str, str]:
         env = ray_env(self.loopback_only)
+        env.update(self.extra_env)
         env["AUTOSCALER_METRIC_PORT"] = str(self.ports.autoscaler_metrics)
         env["DASHBOARD_METRIC_PORT"] = str(self.ports.dashboard_metrics)
         # Pins this node's processes (and the Ray Train actors it hosts, whose state-API

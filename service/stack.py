@@ -14,6 +14,10 @@ cluster) and the service, started, supervised and stopped here.
   or the processes a killed one left behind.
 - **cli.json is written only once the new stack is really up** (the service is ready on the
   port this `up` bound), so other commands never get a token for a service that is not ours.
+- **Warm kernels first.** Before a local head starts, the codec's numba kernels are compiled
+  once into the shared cache (tail_ray/warmup.py; seconds when already cached), and the head
+  is started with NUMBA_CACHE_DIR naming that cache, so every worker and job loads them instead
+  of compiling its own (~30 s of CPU each). Not for a remote cluster: its workers have theirs.
 - **Least exposure.** The head is loopback-only (service/ray_head.py); the service port is
   bound to 127.0.0.1 by `up` itself and handed to each service process (``--fd``), so no other
   process can answer on it; ~/.tail_ray is 0700 and everything `up` and its children create
@@ -71,6 +75,7 @@ class StackOptions:
     ray_address: str | None = None  # a running cluster's GCS instead of a local head
     ray_dashboard_url: str = "http://127.0.0.1:8265"
     job_python: str | None = None  # None: this interpreter with a local head, else "python"
+    warmup_max_world: int | None = 8  # warm the rank means up to this many ranks; None: no warmup
 
 
 # ----------------------------------------------------------------------------- home and lock
@@ -188,6 +193,23 @@ class StackLock:
         return {}
 
 
+# ----------------------------------------------------------------------------- kernels
+def warm_kernels(max_world: int, out: Callable[[str], None]) -> Path:
+    """Compile (or load) every kernel of tail_ray into the shared cache, saying each stage;
+    returns the cache directory (what NUMBA_CACHE_DIR must name for another process to use it)."""
+    # Imports torch and numba: only for the commands that compile something.
+    from tail_ray.kernel_cache import cache_dir
+    from tail_ray.warmup import warmup
+
+    def progress(stage: str, i: int, n: int, seconds: float) -> None:
+        out(f"  [{i}/{n}] {stage}: {seconds:.1f} s")
+
+    out("compiling tail_ray's kernels (about a minute the first time, seconds once cached) ...")
+    report = warmup(max_world=max_world, progress=progress)
+    out(f"kernels ready in {report.total_s:.1f} s; cached in {report.cache_dir}")
+    return cache_dir()
+
+
 # ----------------------------------------------------------------------------- the stack
 class Stack:
     """Start with ``start()``, call ``watch()`` every second or so, end with ``stop()``."""
@@ -229,6 +251,11 @@ class Stack:
     def start(self) -> None:
         secure_home(self.options.home)
         self.lock.acquire()
+        head_env: dict[str, str] = {}
+        if self.options.ray_address is None and self.options.warmup_max_world is not None:
+            # After the lock (a second `up` is refused at once), before the umask below (the
+            # cache keeps numba's own file modes), before the head (its workers read the cache).
+            head_env["NUMBA_CACHE_DIR"] = str(warm_kernels(self.options.warmup_max_world, self.out))
         # Everything `up` and its children create (database, logs, Ray's session files) is
         # the user's alone.
         os.umask(0o077)
@@ -240,6 +267,7 @@ class Stack:
                 loopback_only=True,
                 die_with_parent=True,
                 stop_grace_s=HEAD_STOP_GRACE_S,
+                env=head_env,
             )
             self.out(f"starting a local Ray head (log: {self.head.log_path}) ...")
             self.head.start()

@@ -211,6 +211,7 @@ STEP_FIELDS = (
     "step", "rank", "world_size", "bytes_sent", "bytes_received", "raw_bytes", "compress_s",
     "decode_s", "comm_s", "step_s", "loss", "method", "wall_time_s",
 )  # fmt: skip
+_UNIT_FIELDS = frozenset({"density"})  # shares: stored only when in [0, 1]
 _INT_FIELDS = frozenset(
     {
         "step",
@@ -642,6 +643,8 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
             out.append(str(value))
         else:
             real = float(value)
+            if name in _UNIT_FIELDS and not 0.0 <= real <= 1.0:
+                real = math.nan  # a share outside [0, 1] is a worker's bug: shown as unknown, not plotted
             out.append(real if math.isfinite(real) else None)
     return out
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from tail_ray.compression.quantize import bucket_steps, dequantize, levels_max, n_buckets
+from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, Kind, LayerRecord, encode_payload
 from tail_ray.errors import CodecError
@@ -50,9 +50,19 @@ def warn_nonfinite(name: str) -> None:
 
 
 def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
-    """One LayerStats from what was sent (``nnz``: non-zero levels / kept values) and its cost."""
+    """One LayerStats from what was sent and its cost.
+
+    Density is the share of elements the payload carries as non-zero: the wire's own count
+    (``cost.nnz``: non-zero levels of a quantized layer whatever its code, kept values of a
+    sparse one), so it is in [0, 1] for every code; 1 for a raw layer (every value is sent).
+    ``nnz``, the compressor's count of the same thing, is no longer needed for it (a kernel
+    that miscounted once put -1.3e8 on the dashboard) and is kept only for the callers.
+    """
     bits = {Kind.QUANT: rec.bits, Kind.RAW_F16: 16}.get(rec.kind, 32)
-    density = 1.0 if nnz is None else nnz / rec.numel if rec.numel else 0.0
+    if rec.kind in (Kind.QUANT, Kind.SPARSE_F32):
+        density = cost.nnz / rec.numel if rec.numel else 0.0
+    else:
+        density = 1.0
     return LayerStats(
         layer=rec.name,
         numel=rec.numel,
@@ -97,12 +107,12 @@ def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
 
 
 @njit(cache=True, nogil=True)
-def _sample_dequantized(levels, scales, inv_lmax, bucket_size, stride, out):  # type: ignore[no-untyped-def]
-    """out[j] = float64(float32(levels[i]) * (scales[b] * inv_lmax)), i = j * stride, b = i // bucket:
-    the float32 product ``dequantize`` makes (no fastmath here), widened as ``.double()`` does."""
+def _sample_dequantized(levels, steps, bucket_size, stride, out):  # type: ignore[no-untyped-def]
+    """out[j] = float64(float32(levels[i]) * steps[i // bucket]), i = j * stride: the grid's
+    float32 product (no fastmath here), widened as ``.double()`` does."""
     for j in range(out.size):
         i = j * stride
-        out[j] = np.float64(np.float32(levels[i]) * (scales[i // bucket_size] * inv_lmax))
+        out[j] = np.float64(np.float32(levels[i]) * steps[i // bucket_size])
 
 
 def sample_stack(records: list[LayerRecord], stride: int) -> torch.Tensor:
@@ -124,8 +134,8 @@ def sample_stack(records: list[LayerRecord], stride: int) -> torch.Tensor:
         out = np.empty((len(records), len(range(0, records[0].numel, stride))), dtype=np.float64)
         for row, r in zip(out, records, strict=True):
             assert r.levels is not None and r.scales is not None
-            inv = np.float32(1.0) / np.float32(levels_max(r.bits))
-            _sample_dequantized(r.levels.reshape(-1), r.scales, inv, r.bucket_size, stride, row)
+            steps = bucket_steps(r.scales, r.bits)
+            _sample_dequantized(r.levels.reshape(-1), steps, r.bucket_size, stride, row)
         return torch.from_numpy(out)
     return torch.stack([sample_flat(r, stride) for r in records]).double()
 

@@ -26,6 +26,7 @@ from enum import IntEnum
 import numpy as np
 
 from tail_ray.compression import bitpack, pairs, rans, sparse
+from tail_ray.compression.grid import levels_max
 from tail_ray.errors import CodecError
 
 # A stream may claim at most this many symbols per bit actually present, relative to its
@@ -79,14 +80,9 @@ def _symbol_pair_values(alphabet: int) -> np.ndarray:
     return pairs.symbol_pair_values(alphabet)
 
 
-def half_range(bits: int) -> int:
-    """L = 2**(bits-1) - 1: levels lie in [-L, L]. bits=1 has no non-zero level and is rejected."""
-    return (1 << (bits - 1)) - 1
-
-
 def pack_width(bits: int) -> int:
     """ceil(log2(2L + 1)) bits per level for dense bit-packing (equals ``bits`` for 2..8)."""
-    return max(1, math.ceil(math.log2(2 * half_range(bits) + 1)))
+    return max(1, math.ceil(math.log2(2 * levels_max(bits) + 1)))
 
 
 def varint(v: int) -> bytes:
@@ -169,7 +165,7 @@ def encode_levels(levels: np.ndarray, bits: int, *, force: Code | None = None) -
     """Code one layer's levels; return (code, nnz, body). ``force`` picks a code (for tests)."""
     if not 2 <= bits <= 8:
         raise CodecError(f"bits must be 2..8 for quantized levels, got {bits}", field="bits")
-    half = half_range(bits)
+    half = levels_max(bits)
     levels = np.asarray(levels)
     if levels.dtype != np.int8:
         # A wider integer type would wrap silently in the cast: check the range first.
@@ -360,7 +356,7 @@ def decode_levels(
     """Decode one layer body (uint8 array) into int8 levels in [-L, L]; CodecError on anything wrong."""
     if not 2 <= bits <= 8:
         raise CodecError(f"bits {bits} not in 2..8", layer=layer, field="bits")
-    half = half_range(bits)
+    half = levels_max(bits)
     size = int(body.size)
     if code == Code.BITPACK:
         width = pack_width(bits)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tail_ray.compression import levelcode, pairs, sparse
+from tail_ray.compression.grid import levels_max
 from tail_ray.compression.levelcode import Code
 from tail_ray.errors import CodecError
 
@@ -23,7 +24,7 @@ def _levels(n: int, half: int, density: float, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("n", [N_LARGE, N_LARGE + 1])
 def test_fast_stats_exact_counts_and_pairs(bits: int, n: int) -> None:
-    half = levelcode.half_range(bits)
+    half = levels_max(bits)
     lv = _levels(n, half, 0.6, seed=bits + n)
     c_ref = np.zeros(2 * half + 1, np.int64)
     s_ref = np.zeros(sparse.N_SLOTS, np.int64)
@@ -87,7 +88,7 @@ def test_large_layer_round_trips_every_code(density: float) -> None:
 
 @pytest.mark.parametrize("bits", [5, 8])
 def test_fast_level_stats_exact_counts_sampled_gaps(bits: int) -> None:
-    half = levelcode.half_range(bits)
+    half = levels_max(bits)
     lv = _levels(N_LARGE, half, 0.5, seed=bits)
     c_ref = np.zeros(2 * half + 1, np.int64)
     s_ref = np.zeros(sparse.N_SLOTS, np.int64)
@@ -107,7 +108,7 @@ def test_fast_level_stats_exact_counts_sampled_gaps(bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [6, 8])
 def test_large_wide_layer_round_trips_every_code(bits: int) -> None:
-    half = levelcode.half_range(bits)
+    half = levels_max(bits)
     for density in (0.02, 0.7):
         lv = _levels(N_LARGE, half, density, seed=bits)
         for code in (None, *levelcode.candidate_codes(bits, lv.size)):

@@ -44,7 +44,11 @@ class Up:
 
     def __init__(self, home: Path, num_cpus: int, args: tuple[str, ...] = (), **env_extra: str) -> None:
         self.home = home
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TAIL_RAY_", "RAY_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("TAIL_RAY_", "RAY_")) and k != "NUMBA_CACHE_DIR"
+        }
         env.update(HOME=str(home), PATH=BARE_PATH, RAY_AUTH_MODE="token", **env_extra)
         self.env = env
         cmd = [str(TAIL_RAY), "up", "--port", "0", "--num-cpus", str(num_cpus), *args]
@@ -121,11 +125,23 @@ def home(tmp_path: Path) -> Path:
     return h
 
 
+@pytest.fixture(scope="module")
+def shared_kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One numba cache for this module's `up`s (NUMBA_CACHE_DIR): the first fills it (about a
+    minute on 2 cores), the others load it. The HOMEs stay empty; the crash test runs without
+    it, from a truly empty HOME."""
+    return tmp_path_factory.mktemp("numba-cache")
+
+
 @pytest.fixture
-def up_factory(home: Path) -> Iterator:
+def up_factory(home: Path, shared_kernel_cache: Path) -> Iterator:
     started: list[Up] = []
 
-    def start(num_cpus: int = 1, args: tuple[str, ...] = (), **env_extra: str) -> Up:
+    def start(
+        num_cpus: int = 1, args: tuple[str, ...] = (), own_kernel_cache: bool = False, **env_extra: str
+    ) -> Up:
+        if not own_kernel_cache:
+            env_extra.setdefault("NUMBA_CACHE_DIR", str(shared_kernel_cache))
         up = Up(home, num_cpus, args, **env_extra)
         started.append(up)
         return up
@@ -161,8 +177,8 @@ def _mode(path: Path) -> int:
 def test_up_keeps_training_through_a_service_crash_and_exposes_nothing(
     up_factory, home: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    up = up_factory(num_cpus=2)
-    up.wait_up()
+    up = up_factory(num_cpus=2, own_kernel_cache=True)
+    up.wait_up(timeout_s=300)  # it compiles every kernel first: its HOME has no cache
     state = up.state
     url, token = state["url"], state["token"]
     pids = up.pids()
@@ -230,6 +246,13 @@ def test_up_keeps_training_through_a_service_crash_and_exposes_nothing(
     # no bind address (Ray Train creates it with init_method env://). See docs/operations.md.
     torch_store = [s for s in beyond if s[2] == "ray::RayTrainWorker"]
     assert len(torch_store) <= 1 and beyond == torch_store, f"listening beyond loopback: {beyond}"
+    # --- ... and every worker reads the kernel cache `up` filled first (its own HOME's: nothing
+    # set NUMBA_CACHE_DIR for it), named to it by the Ray head `up` started
+    assert "kernels ready in" in up.output and f"cached in {tail_home / 'numba-cache'}" in up.output
+    workers = [p for p in up.snapshot() if p.name() == "ray::RayTrainWorker"]
+    assert workers, "found no training worker to check"
+    for p in [psutil.Process(pids["ray head"]), *workers]:
+        assert p.environ().get("NUMBA_CACHE_DIR") == str(tail_home / "numba-cache"), p
     ports = {port for _, port, _ in listening}
     service_port = int(url.rsplit(":", 1)[1])
     assert service_port in ports and len(ports) >= 8, listening  # service + GCS, raylet, agents, ...
@@ -324,6 +347,7 @@ def test_up_on_a_running_cluster_leaves_it_running(up_factory, tmp_path: Path) -
         assert re.search(r"jobs run\s+/opt/cluster/bin/python3$", up.output, re.MULTILINE), up.output
         assert set(up.pids()) == {"up", "service"}
         assert not (up.home / ".ray").exists()  # no token made for someone else's cluster
+        assert "compiling tail_ray's kernels" not in up.output  # its workers are not on this machine
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=120) == 0
         wait_for(lambda: not up.survivors(), 60, "the service to exit")
