@@ -32,8 +32,8 @@ import numpy as np
 from tail_ray.compression import level_histograms as hist
 from tail_ray.compression import rans
 from tail_ray.compression.entropy_model import EntropyModel, ModelFit
+from tail_ray.compression.grid import levels_max
 from tail_ray.compression.pair_symbols import PAIR_MAX_BITS
-from tail_ray.compression.quantize import levels_max
 from tail_ray.compression.records import Kind, LayerRecord, QuantRecord
 from tail_ray.compression.sparse import N_SLOTS
 from tail_ray.errors import CodecError

@@ -36,7 +36,7 @@ from tail_ray.compression.base import Compressor
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
 from tail_ray.errors import ConfigError
@@ -71,15 +71,21 @@ class CompressedLayer:
 
 
 def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
-    """One LayerStats from what was sent (``nnz``: non-zero levels / kept values) and its cost."""
+    """One LayerStats from what was sent and its cost.
+
+    Density is the share of elements the payload carries as non-zero: the wire's own count
+    (``cost.nnz``: non-zero levels of a quantized layer whatever its code, kept values of a
+    sparse one), so it is in [0, 1] for every code; 1 for a raw layer (every value is sent).
+    ``nnz``, the compressor's count of the same thing, is no longer needed for it (a kernel
+    that miscounted once put -1.3e8 on the dashboard) and is kept only for the callers.
+    """
     match rec:
         case QuantRecord():
-            bits = rec.bits
+            bits, density = rec.bits, cost.nnz / rec.numel if rec.numel else 0.0
         case RawRecord():
-            bits = 16 if rec.fp16 else 32
-        case _:
-            bits = 32
-    density = 1.0 if nnz is None else nnz / rec.numel if rec.numel else 0.0
+            bits, density = (16 if rec.fp16 else 32), 1.0
+        case SparseRecord():
+            bits, density = 32, cost.nnz / rec.numel if rec.numel else 0.0
     return LayerStats(
         layer=rec.name,
         numel=rec.numel,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from tail_ray.compression.quantize import bucket_steps, dequantize, levels_max, n_buckets
+from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 
 
@@ -55,12 +55,12 @@ def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
 
 
 @njit(cache=True, nogil=True)
-def _sample_dequantized(levels, scales, inv_lmax, bucket_size, stride, out):  # type: ignore[no-untyped-def]
-    """out[j] = float64(float32(levels[i]) * (scales[b] * inv_lmax)), i = j * stride, b = i // bucket:
-    the float32 product ``dequantize`` makes (no fastmath here), widened as ``.double()`` does."""
+def _sample_dequantized(levels, steps, bucket_size, stride, out):  # type: ignore[no-untyped-def]
+    """out[j] = float64(float32(levels[i]) * steps[i // bucket]), i = j * stride: the grid's
+    float32 product (no fastmath here), widened as ``.double()`` does."""
     for j in range(out.size):
         i = j * stride
-        out[j] = np.float64(np.float32(levels[i]) * (scales[i // bucket_size] * inv_lmax))
+        out[j] = np.float64(np.float32(levels[i]) * steps[i // bucket_size])
 
 
 def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
     ):
         out = np.empty((len(records), len(range(0, records[0].numel, stride))), dtype=np.float64)
         for row, r in zip(out, quant, strict=True):
-            inv = np.float32(1.0) / np.float32(levels_max(r.bits))
-            _sample_dequantized(r.levels.reshape(-1), r.scales, inv, r.bucket_size, stride, row)
+            steps = bucket_steps(r.scales, r.bits)
+            _sample_dequantized(r.levels.reshape(-1), steps, r.bucket_size, stride, row)
         return torch.from_numpy(out)
     return torch.stack([sample_flat(r, stride) for r in records]).double()

@@ -9,7 +9,7 @@ import pytest
 from tail_ray.compression import code_table, sparse
 from tail_ray.compression import level_histograms as hist
 from tail_ray.compression.code_table import Code
-from tail_ray.compression.quantize import levels_max
+from tail_ray.compression.grid import levels_max
 from tail_ray.errors import CodecError
 
 N_LARGE = hist.GAP_EXACT_NUMEL + 12345  # above the exact-gap size, odd tail on purpose

@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 
+from tail_ray.compression.grid import dequantize_reference, mean_reference
 from tail_ray.compression.quantize import (
     dequantize,
     levels_max,
     mean_dequantized_into,
+    mean_into,
     n_buckets,
     quantize,
     quantize_ef,
@@ -140,28 +142,27 @@ def test_different_seeds_give_different_roundings_same_seed_same():
 
 
 @pytest.mark.parametrize("bucket_sizes", [(512, 512, 512), (7, 512, 1000)])
-def test_fused_mean_equals_dequantize_sum_divide_bit_for_bit(bucket_sizes):
+def test_fused_mean_equals_dequantize_then_reference_mean_bit_for_bit(bucket_sizes):
     """Ranks may differ in bits and even bucket size; the one-pass mean must equal dequantizing
-    each, summing in rank order in float32 and dividing by the number of ranks."""
-    import torch
-
+    each and taking the grid's rank mean (float64 sum in rank order, / R, to float32)."""
     rng = np.random.default_rng(11)
     n = 50_003
     bits = (2, 5, 8)
     levels = [rng.integers(-levels_max(b), levels_max(b) + 1, n).astype(np.int8) for b in bits]
     scales = [rng.random(n_buckets(n, bs)).astype(np.float32) for bs in bucket_sizes]
     per_rank = zip(levels, scales, bits, bucket_sizes, strict=True)
-    decoded = [torch.from_numpy(dequantize(lv, s, b, bs)) for lv, s, b, bs in per_rank]
+    decoded = [dequantize_reference(lv, s, b, bs) for lv, s, b, bs in per_rank]
     for world in (1, 2, 3):
-        want = decoded[0].clone()
-        for d in decoded[1:world]:
-            want.add_(d)
-        want.div_(world)
+        want = mean_reference(decoded[:world])
         out = np.empty(n, np.float32)
         mean_dequantized_into(
             levels[:world], scales[:world], list(bits[:world]), list(bucket_sizes[:world]), out
         )
-        np.testing.assert_array_equal(out.view(np.int32), want.numpy().view(np.int32))
+        np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
+        # The mean of already-decoded layers (raw or mixed codes) is the same arithmetic.
+        out_f = np.empty(n, np.float32)
+        mean_into(decoded[:world], out_f)
+        np.testing.assert_array_equal(out_f.view(np.int32), want.view(np.int32))
 
 
 def test_sampled_dequantization_equals_full_dequantization():
