@@ -19,9 +19,9 @@ import constriction
 import numpy as np
 import torch
 
+from tail_ray.compression.code_table import CODE_NAMES, decode_levels, encode_levels
 from tail_ray.compression.entropy import entropy_bound_bytes
 from tail_ray.compression.grid import levels_max
-from tail_ray.compression.levelcode import CODE_NAMES, decode_levels, encode_levels
 
 
 def best_time_s(fn: Callable[[], object], repeats: int) -> float:

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
 from tail_ray.compression.fixedsum import sum_squares
-from tail_ray.compression.layers import sample_stack
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.record_tensors import sample_stack
+from tail_ray.compression.records import QuantRecord
+from tail_ray.compression.wire import decode_payload
 from tail_ray.kernel_cache import prune_versions, version_dir
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,7 @@ def _controller() -> None:
     sum_squares(g)
     relative_errors(g, None, 512, (2, 3, 4, 5, 6, 8), sample_numel=4096, rng=rng)
     relative_errors(g, g * 0.1, 512, (2, 3, 4, 5, 6, 8), sample_numel=None, rng=rng)
-    rec = LayerRecord(
-        "w", g.size, Kind.QUANT, bits=4, bucket_size=512,
-        scales=np.abs(g[: -(-g.size // 512)]), levels=np.zeros(g.size, np.int8),
-    )  # fmt: skip
+    rec = QuantRecord("w", 4, 512, scales=np.abs(g[: -(-g.size // 512)]), levels=np.zeros(g.size, np.int8))
     sample_stack([rec, rec], 7)
 
 

@@ -24,9 +24,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from tail_ray.compression.layers import record_to_flat
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
-from tail_ray.compression.wire import Kind, LayerRecord
+from tail_ray.compression.record_tensors import record_to_flat
+from tail_ray.compression.records import LayerRecord, QuantRecord
 from tail_ray.errors import CodecError
 
 T = TypeVar("T")
@@ -82,10 +82,6 @@ def mean_tensors_into(
         _copy_mean(g, tensors)
 
 
-def _all_quantized(recs: list[LayerRecord]) -> bool:
-    return all(r.kind == Kind.QUANT and r.levels is not None and r.scales is not None for r in recs)
-
-
 def mean_records_into(
     records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
 ) -> None:
@@ -95,16 +91,17 @@ def mean_records_into(
         raise ValueError("nothing to average: no payloads")
     layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
     for g, recs in zip(into.values(), layers, strict=True):
-        if not _all_quantized(recs):
+        quant = [r for r in recs if isinstance(r, QuantRecord)]
+        if len(quant) < len(recs):
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
             continue
         direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
         out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
         mean_dequantized_into(
-            [r.levels for r in recs],  # type: ignore[misc]  # _all_quantized checked them
-            [r.scales for r in recs],  # type: ignore[misc]
-            [r.bits for r in recs],
-            [r.bucket_size for r in recs],
+            [r.levels for r in quant],
+            [r.scales for r in quant],
+            [r.bits for r in quant],
+            [r.bucket_size for r in quant],
             out,
         )
         if not direct:

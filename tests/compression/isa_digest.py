@@ -17,9 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.fixedsum import sum_squares
-from tail_ray.compression.layers import sample_stack
 from tail_ray.compression.quantize import (
     dequantize,
     mean_dequantized_into,
@@ -28,8 +27,9 @@ from tail_ray.compression.quantize import (
     quantize,
     quantize_finite,
 )
+from tail_ray.compression.record_tensors import sample_stack
+from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
-from tail_ray.compression.wire import Kind, LayerRecord
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -107,7 +107,7 @@ def digests() -> dict[str, str]:
         out[f"mean_{world}_ranks"] = _digest([mean, plain])
 
     records = [
-        LayerRecord("w", n, Kind.QUANT, bits=b, bucket_size=512, scales=sc, levels=lv)
+        QuantRecord("w", b, 512, scales=sc, levels=lv)
         for (lv, sc), b in zip(ranks, (2, 3, 4, 8), strict=True)
     ]
     record("sample_stack", lambda: [sample_stack(records, s).numpy() for s in (1, 7)])

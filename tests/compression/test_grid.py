@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.aggregate import mean_records_into, mean_tensors_into
+from tail_ray.compression.dense_codes import pack_width
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.fixedsum import LANES, sum_squares, sum_squares_reference
 from tail_ray.compression.grid import (
@@ -25,8 +26,6 @@ from tail_ray.compression.grid import (
     levels_max,
     mean_reference,
 )
-from tail_ray.compression.layers import records_to_flat, sample_flat, sample_stack
-from tail_ray.compression.levelcode import pack_width
 from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig
 from tail_ray.compression.quantize import (
     dequantize,
@@ -36,9 +35,10 @@ from tail_ray.compression.quantize import (
     quantize,
     quantize_finite,
 )
+from tail_ray.compression.record_tensors import records_to_flat, sample_flat, sample_stack
+from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.topk import TopKCompressor, TopKConfig
-from tail_ray.compression.wire import Kind, LayerRecord
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
 SUBNORMAL = np.float32(1e-40)
@@ -95,10 +95,8 @@ def test_every_decoding_path_equals_the_reference():
     rng = np.random.default_rng(3)
     n = 9_001
     recs = [
-        LayerRecord(
+        QuantRecord(
             "w",
-            n,
-            Kind.QUANT,
             bits=b,
             bucket_size=bs,
             scales=_awkward_scales(n_buckets(n, bs), rng),
@@ -106,7 +104,7 @@ def test_every_decoding_path_equals_the_reference():
         )
         for b, bs in ((3, 512), (8, 100), (2, 7))
     ]
-    refs = [dequantize_reference(r.levels, r.scales, r.bits, r.bucket_size) for r in recs]  # type: ignore[arg-type]
+    refs = [dequantize_reference(r.levels, r.scales, r.bits, r.bucket_size) for r in recs]
     for rec, ref in zip(recs, refs, strict=True):
         np.testing.assert_array_equal(_bits(records_to_flat([rec])["w"].numpy()), _bits(ref))
         for stride in (1, 5):
@@ -118,16 +116,13 @@ def test_every_decoding_path_equals_the_reference():
     out = np.empty(n, np.float32)
     mean_dequantized_into(
         [r.levels for r in same_buckets],
-        [r.scales for r in same_buckets],  # type: ignore[misc]
+        [r.scales for r in same_buckets],
         [r.bits for r in same_buckets],
         [r.bucket_size for r in same_buckets],
         out,
     )
     want_mean = mean_reference(
-        [
-            dequantize_reference(r.levels, r.scales, r.bits, r.bucket_size)  # type: ignore[arg-type]
-            for r in same_buckets
-        ]
+        [dequantize_reference(r.levels, r.scales, r.bits, r.bucket_size) for r in same_buckets]
     )
     np.testing.assert_array_equal(_bits(out), _bits(want_mean))
 
@@ -140,8 +135,8 @@ def test_both_averaging_sites_compute_the_grid_mean():
     rng = np.random.default_rng(11)
     n = 5_003
     quant = [
-        LayerRecord(
-            "w", n, Kind.QUANT, bits=b, bucket_size=512,
+        QuantRecord(
+            "w", bits=b, bucket_size=512,
             scales=_awkward_scales(n_buckets(n, 512), rng),
             levels=rng.integers(-levels_max(b), levels_max(b) + 1, n).astype(np.int8),
         )
@@ -149,9 +144,9 @@ def test_both_averaging_sites_compute_the_grid_mean():
     ]  # fmt: skip
     raw = (rng.standard_normal(n) * 1e3).astype(np.float32)
     raw[:3] = (F32_MAX, F32_MAX, -3e38)
-    mixed = [quant[0], LayerRecord("w", n, Kind.RAW_F32, values=raw), quant[2]]  # a rank sent it raw
+    mixed = [quant[0], RawRecord("w", raw), quant[2]]  # a rank sent it raw
     sparse_idx = np.sort(rng.choice(n, 50, replace=False)).astype(np.int64)
-    sparse = LayerRecord("w", n, Kind.SPARSE_F32, indices=sparse_idx, values=raw[:50].copy())
+    sparse = SparseRecord("w", n, indices=sparse_idx, values=raw[:50].copy())
     for ranks in (quant, mixed, [sparse, quant[1], sparse, quant[0]]):
         want = mean_reference([records_to_flat([r])["w"].numpy() for r in ranks])
         for average in (

@@ -168,29 +168,25 @@ def test_fused_mean_equals_dequantize_then_reference_mean_bit_for_bit(bucket_siz
 def test_sampled_dequantization_equals_full_dequantization():
     import torch
 
-    from tail_ray.compression.layers import records_to_flat, sample_flat, sample_stack
-    from tail_ray.compression.wire import Kind, LayerRecord
+    from tail_ray.compression.record_tensors import records_to_flat, sample_flat, sample_stack
+    from tail_ray.compression.records import QuantRecord, RawRecord
 
     rng = np.random.default_rng(12)
     n = 70_001
-    rec = LayerRecord(
+    rec = QuantRecord(
         "w",
-        n,
-        Kind.QUANT,
         bits=3,
         bucket_size=512,
         scales=rng.random(n_buckets(n, 512)).astype(np.float32),
         levels=rng.integers(-3, 4, n).astype(np.int8),
     )
-    raw = LayerRecord("r", n, Kind.RAW_F32, values=rng.standard_normal(n).astype(np.float32))
+    raw = RawRecord("r", rng.standard_normal(n).astype(np.float32))
     for r in (rec, raw):
         full = records_to_flat([r])[r.name]
         for stride in (1, 4, 17):
             np.testing.assert_array_equal(sample_flat(r, stride).numpy(), full[::stride].numpy())
-    other = LayerRecord(
+    other = QuantRecord(
         "w",
-        n,
-        Kind.QUANT,
         bits=6,
         bucket_size=100,
         scales=rng.random(n_buckets(n, 100)).astype(np.float32),
