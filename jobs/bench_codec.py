@@ -39,12 +39,13 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.plan import pick_bits
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.record_compressor import RecordCompressor
+from tail_ray.compression.records import LayerRecord, QuantRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import decode_payload
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import loss_fn, make_model
 
@@ -125,10 +126,10 @@ def _bound_bytes(rec: LayerRecord) -> float:
         from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
     except ImportError:  # the placeholder container: compute H0 here
         entropy_bound_bytes = sparse_entropy_bound_bytes = _h0_bytes
-    if rec.kind == Kind.QUANT and rec.levels is not None:
-        scales = 0 if rec.scales is None else 4 * rec.scales.size
+    if isinstance(rec, QuantRecord):
+        scales = 4 * rec.scales.size
         return min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels)) + scales
-    if rec.kind == Kind.SPARSE_F32 and rec.values is not None:
+    if isinstance(rec, SparseRecord):
         k = rec.values.size
         log2_choose = (
             math.lgamma(rec.numel + 1) - math.lgamma(k + 1) - math.lgamma(rec.numel - k + 1)

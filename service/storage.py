@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -210,6 +211,7 @@ STEP_FIELDS = (
     "step", "rank", "world_size", "bytes_sent", "bytes_received", "raw_bytes", "compress_s",
     "decode_s", "comm_s", "step_s", "loss", "method", "wall_time_s",
 )  # fmt: skip
+_UNIT_FIELDS = frozenset({"density"})  # shares: stored only when in [0, 1]
 _INT_FIELDS = frozenset(
     {
         "step",
@@ -225,6 +227,7 @@ _INT_FIELDS = frozenset(
 )
 _STR_FIELDS = frozenset({"layer", "code", "method"})
 TERMINAL = ("STOPPED", "SUCCEEDED", "FAILED")
+STOPPING = "STOPPING"  # ours, not Ray's: a stop was asked for and Ray has not finished it
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,12 @@ class IngestBatch:
 class Storage:
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():
+            path.parent.mkdir(mode=0o700, parents=True)
+        if not path.exists():
+            # Owner only: job specs, entrypoints and metrics. SQLite gives the -wal and -shm
+            # files the database file's mode.
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
         self.migrate()
 
     @contextmanager
@@ -635,6 +643,8 @@ def _coerce(rec: dict[str, Any], fields: tuple[str, ...]) -> list[Any]:
             out.append(str(value))
         else:
             real = float(value)
+            if name in _UNIT_FIELDS and not 0.0 <= real <= 1.0:
+                real = math.nan  # a share outside [0, 1] is a worker's bug: shown as unknown, not plotted
             out.append(real if math.isfinite(real) else None)
     return out
 

@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse
 
 from service.deps import RayDep, StorageDep
 from service.errors import RayUnavailable
+from service.routing import AuthFirstRoute
 from service.schemas import Health
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=AuthFirstRoute)
 
 
 @router.get("/healthz", operation_id="healthz")

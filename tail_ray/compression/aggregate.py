@@ -8,10 +8,12 @@ Two entry points, bit-identical to each other on the same payloads:
   contiguous: no per-rank float32 copy. Any other layer (raw, sparse, or a mix, e.g. one rank
   sent a non-finite layer raw) is decoded to tensors and averaged as above.
 
-Both sum in rank order and divide by the number of ranks (``clone``, ``add_``, ``div_``), and
-both check every layer of every rank before writing anything: a payload that lacks a layer or
-sizes it differently is a ``CodecError`` naming the rank and the layer, and leaves the
-gradients as they were.
+Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
+divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
+or its fused form, so a layer averages to the same bits whichever path it takes and on any
+CPU. Both check every layer of every rank before writing anything: a payload that lacks a
+layer or sizes it differently is a ``CodecError`` naming the rank and the layer, and leaves
+the gradients as they were.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from tail_ray.compression.layers import record_to_flat
-from tail_ray.compression.quantize import mean_dequantized_into
-from tail_ray.compression.wire import Kind, LayerRecord
+from tail_ray.compression.quantize import mean_dequantized_into, mean_into
+from tail_ray.compression.record_tensors import record_to_flat
+from tail_ray.compression.records import LayerRecord, QuantRecord
 from tail_ray.errors import CodecError
 
 T = TypeVar("T")
@@ -55,11 +57,18 @@ def _by_layer(
 
 
 def _copy_mean(g: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """g <- (t_0 + t_1 + ... ) / W, summed in rank order (the unfused reference)."""
-    total = tensors[0].clone()
-    for t in tensors[1:]:
-        total.add_(t)
-    g.copy_(total.div_(len(tensors)).view(g.shape).to(device=g.device, dtype=g.dtype))
+    """g <- the grid's rank mean of decoded tensors (``mean_into``: the fused path's arithmetic)."""
+    direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
+    out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
+    # This rank's own raw record aliases the gradient (it is sent uncopied): then the mean is
+    # made beside it and copied in, so no rank's values are overwritten while being read.
+    values = [t.detach().to("cpu", torch.float32).reshape(-1).numpy() for t in tensors]
+    if direct and any(np.shares_memory(v, out) for v in values):
+        out = np.empty(g.numel(), dtype=np.float32)
+        direct = False
+    mean_into(values, out)
+    if not direct:
+        g.copy_(torch.from_numpy(out).view(g.shape))
 
 
 def mean_tensors_into(
@@ -73,10 +82,6 @@ def mean_tensors_into(
         _copy_mean(g, tensors)
 
 
-def _all_quantized(recs: list[LayerRecord]) -> bool:
-    return all(r.kind == Kind.QUANT and r.levels is not None and r.scales is not None for r in recs)
-
-
 def mean_records_into(
     records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
 ) -> None:
@@ -86,16 +91,17 @@ def mean_records_into(
         raise ValueError("nothing to average: no payloads")
     layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
     for g, recs in zip(into.values(), layers, strict=True):
-        if not _all_quantized(recs):
+        quant = [r for r in recs if isinstance(r, QuantRecord)]
+        if len(quant) < len(recs):
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
             continue
         direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
         out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
         mean_dequantized_into(
-            [r.levels for r in recs],  # type: ignore[misc]  # _all_quantized checked them
-            [r.scales for r in recs],  # type: ignore[misc]
-            [r.bits for r in recs],
-            [r.bucket_size for r in recs],
+            [r.levels for r in quant],
+            [r.scales for r in quant],
+            [r.bits for r in quant],
+            [r.bucket_size for r in quant],
             out,
         )
         if not direct:

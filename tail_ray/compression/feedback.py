@@ -24,7 +24,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from tail_ray.compression.quantize import sum_squares
+from tail_ray.compression.fixedsum import sum_squares
+from tail_ray.compression.grid import F32_MAX
 
 
 class ErrorFeedback:
@@ -62,8 +63,12 @@ class ErrorFeedback:
         return known
 
     def compensate(self, name: str, grad: np.ndarray) -> np.ndarray:
-        """g + e as a new float32 array (the caller's gradient is never modified)."""
-        return grad.astype(np.float32, copy=True) + self.buffer(name, grad.size)
+        """g + e as a new float32 array (the caller's gradient is never modified), saturated at
+        float32's max as the quantizer's fused kernel does: a huge finite g stays finite."""
+        out = grad.astype(np.float32, copy=True)
+        with np.errstate(over="ignore"):
+            np.add(out, self.buffer(name, grad.size), out=out)
+        return np.clip(out, -F32_MAX, F32_MAX, out=out)
 
     def update(self, name: str, compensated: np.ndarray, decoded: np.ndarray) -> None:
         """e <- compensated - decoded: what this step failed to send."""
@@ -86,7 +91,10 @@ class ErrorFeedback:
             e = self._residuals.pop(name, None)
             self._norms_sq.pop(name, None)
             if e is not None and e.size == g.numel():
-                g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
+                flat = g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
+                if flat.is_floating_point():  # saturate: a huge finite g + e must not become inf
+                    big = torch.finfo(flat.dtype).max
+                    flat.clamp_(-big, big)
 
     def reset(self, name: str | None = None) -> None:
         if name is None:

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import CompressedLayer
 from tail_ray.compression.quantize import layer_seed
-from tail_ray.compression.record_compressor import RecordCompressor
+from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.errors import ConfigError
 from tail_ray.settings import coerce_fields
 

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from tail_ray.compression.base import Compressor
-from tail_ray.compression.layers import records_to_flat
+from tail_ray.compression.record_tensors import records_to_flat
+from tail_ray.compression.records import RawRecord
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload, encode_payload
+from tail_ray.compression.wire import decode_payload, encode_payload
 
 
 class RawCompressor(Compressor):
@@ -24,12 +25,7 @@ class RawCompressor(Compressor):
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = [
-            LayerRecord(
-                name=name,
-                numel=t.numel(),
-                kind=Kind.RAW_F32,
-                values=t.detach().reshape(-1).to("cpu", torch.float32).numpy(),
-            )
+            RawRecord(name, t.detach().reshape(-1).to("cpu", torch.float32).numpy())
             for name, t in grads.items()
         ]
         payload, costs = encode_payload(records)

@@ -20,7 +20,7 @@ before a call's layers), ``observe_peers`` (a controller's view of every rank's 
 
 Sharded collectives (``compress_shards``): the layers are compressed exactly as by
 ``compress`` (one step of error feedback and of the controller per layer, on the whole layer),
-then each record is cut into the shards' slices (``layers.slice_record``: between quantizer
+then each record is cut into the shards' slices (``records.slice_record``: between quantizer
 buckets, so the levels and scales sent are the same) and every shard is encoded into its own
 payload. ``second_stage`` is a fresh instance of the same class from the same settings (the
 seed salted, so its rounding is independent of the first stage's), with its own residuals.
@@ -33,6 +33,7 @@ import logging
 import math
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,19 +42,11 @@ import torch
 from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import (
-    CompressedLayer,
-    as_flat_f32,
-    encode_with_stats,
-    raw_record,
-    records_to_flat,
-    slice_record,
-    sliced_layer_stats,
-    warn_nonfinite,
-)
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord, slice_record
 from tail_ray.compression.stats import LayerStats
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,6 +54,85 @@ log = logging.getLogger(__name__)
 # Salt of a spawned compressor's seed: its stochastic rounding must not replay its parent's.
 _SPAWN_SEED_SALT = 0x9E3779B9
 
+# Warn about non-finite layers at most this many times per process: a diverging run would
+# otherwise flood the log every step.
+_NONFINITE_WARNINGS = 5
+_nonfinite_warned = 0
+
+
+def warn_nonfinite(name: str) -> None:
+    global _nonfinite_warned
+    if _nonfinite_warned < _NONFINITE_WARNINGS:
+        _nonfinite_warned += 1
+        log.warning(
+            "layer %r has NaN/Inf gradients: sent raw fp32 unchanged (as plain DDP would), "
+            "its error-feedback residual is left as it was",
+            name,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedLayer:
+    """What compressing one layer gave: its record, the engine's estimate of the relative
+    error it adds, and its non-zero levels / kept values (None: dense, every value sent)."""
+
+    record: LayerRecord
+    rel_error: float = 0.0
+    nnz: int | None = None
+
+
+def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
+    """One LayerStats from what was sent and its cost.
+
+    Density is the share of elements the payload carries as non-zero: the wire's own count
+    (``cost.nnz``: non-zero levels of a quantized layer whatever its code, kept values of a
+    sparse one), so it is in [0, 1] for every code; 1 for a raw layer (every value is sent).
+    ``nnz``, the compressor's count of the same thing, is no longer needed for it (a kernel
+    that miscounted once put -1.3e8 on the dashboard) and is kept only for the callers.
+    """
+    match rec:
+        case QuantRecord():
+            bits, density = rec.bits, cost.nnz / rec.numel if rec.numel else 0.0
+        case RawRecord():
+            bits, density = (16 if rec.fp16 else 32), 1.0
+        case SparseRecord():
+            bits, density = 32, cost.nnz / rec.numel if rec.numel else 0.0
+    return LayerStats(
+        layer=rec.name,
+        numel=rec.numel,
+        bits=bits,
+        density=float(density),
+        raw_bytes=4 * rec.numel,
+        encoded_bytes=cost.encoded_bytes,
+        rel_error=float(rel_error),
+        code=cost.code,
+    )
+
+
+def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[LayerStats]]:
+    """Encode one call's records into one payload and pair each layer's wire cost with its
+    error and density, so ``last_stats`` means the same for every record compressor."""
+    payload, costs = encode_payload([layer.record for layer in layers])
+    stats = [
+        layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+        for layer, cost in zip(layers, costs, strict=True)
+    ]
+    return payload, stats
+
+
+
+def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[EncodedLayer]) -> LayerStats:
+    """One layer's stats when it was sent as slices (a sharded collective): the whole layer's
+    bits, error and density (the slices' non-zeros together), the bytes of all its slices, and
+    the code that carried most."""
+    biggest = max(slices, key=lambda c: c.encoded_bytes)
+    cost = EncodedLayer(
+        layer.record.name,
+        sum(c.encoded_bytes for c in slices),
+        biggest.code,
+        sum(c.nnz for c in slices),
+    )
+    return layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
 
 class RecordSettings(Protocol):
     """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,
@@ -109,24 +181,24 @@ class RecordCompressor(Compressor):
     ) -> list[bytes]:
         layers = {layer.record.name: layer for layer in self.compress_records(grads)}
         payloads: list[bytes] = []
-        slice_stats: dict[str, list[LayerStats]] = {name: [] for name in layers}
+        slice_costs: dict[str, list[EncodedLayer]] = {name: [] for name in layers}
         own: list[LayerRecord] | None = None
         for k, shard in enumerate(shards):
             cut = []
             for name, part in shard.items():
-                layer = layers[name]
-                start, stop, _ = part.indices(layer.record.numel)
-                cut.append(CompressedLayer(slice_record(layer.record, start, stop), layer.rel_error))
-            payload, stats = encode_with_stats(cut)
-            for st in stats:
-                slice_stats[st.layer].append(st)
+                record = layers[name].record
+                start, stop, _ = part.indices(record.numel)
+                cut.append(slice_record(record, start, stop))
+            payload, costs = encode_payload(cut)
+            for cost in costs:
+                slice_costs[cost.name].append(cost)
             payloads.append(payload)
             if k == own_shard:
-                own = [c.record for c in cut]
+                own = cut
         self._last_stats = [
-            sliced_layer_stats(layer, slice_stats[name])
+            sliced_layer_stats(layer, slice_costs[name])
             for name, layer in layers.items()
-            if slice_stats[name]
+            if slice_costs[name]
         ]
         self._own_records = own
         return payloads
@@ -151,11 +223,11 @@ class RecordCompressor(Compressor):
 
     def _compress_one(self, name: str, g: np.ndarray) -> CompressedLayer:
         if g.size < max(self.raw_below_numel, 1):
-            return CompressedLayer(raw_record(name, g))
+            return CompressedLayer(RawRecord(name, g))
         sum_sq = float(sum_squares(g))
         if not math.isfinite(sum_sq):
             warn_nonfinite(name)
-            return CompressedLayer(raw_record(name, g))
+            return CompressedLayer(RawRecord(name, g))
         return self.compress_layer(name, g, sum_sq)
 
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -169,7 +241,7 @@ class RecordCompressor(Compressor):
 
     def quantize_layer(
         self, name: str, g: np.ndarray, bits: int, bucket_size: int, seed: int
-    ) -> tuple[LayerRecord, int]:
+    ) -> tuple[QuantRecord, int]:
         """Stochastic quantization of g + e in one fused pass (Tail's and qsgd's kernel), which
         also writes the new residual and its norm; returns the record and its non-zero levels."""
         levels = np.empty(g.size, dtype=np.int8)
@@ -178,16 +250,7 @@ class RecordCompressor(Compressor):
         nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
         if self.feedback is not None:
             self.feedback.measured(name, err_sq)
-        record = LayerRecord(
-            name=name,
-            numel=int(g.size),
-            kind=Kind.QUANT,
-            bits=bits,
-            bucket_size=bucket_size,
-            scales=scales,
-            levels=levels,
-        )
-        return record, int(nnz)
+        return QuantRecord(name, bits, bucket_size, scales, levels), int(nnz)
 
     # --- receiving ------------------------------------------------------------------------
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:

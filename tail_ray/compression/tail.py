@@ -28,10 +28,10 @@ import torch
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import CompressedLayer, sample_stack
 from tail_ray.compression.quantize import layer_seed
-from tail_ray.compression.record_compressor import RecordCompressor
-from tail_ray.compression.wire import LayerRecord
+from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
+from tail_ray.compression.record_tensors import sample_stack
+from tail_ray.compression.records import LayerRecord
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)

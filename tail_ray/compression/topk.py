@@ -1,6 +1,6 @@
 """topk: keep the ``density`` share of largest-magnitude entries of g + e, with error feedback.
 
-Sent as Kind.SPARSE_F32 (sorted int64 positions + fp32 values); everything not sent stays in
+Sent as a SparseRecord (sorted int64 positions + fp32 values); everything not sent stays in
 the residual. Small and non-finite layers go raw fp32, as in Tail (RecordCompressor's policy).
 """
 
@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.layers import CompressedLayer
-from tail_ray.compression.record_compressor import RecordCompressor
-from tail_ray.compression.wire import Kind, LayerRecord
+from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
+from tail_ray.compression.records import SparseRecord
 from tail_ray.errors import ConfigError
 from tail_ray.settings import coerce_fields
 
@@ -54,11 +53,5 @@ class TopKCompressor(RecordCompressor):
             # residual <- x - sparse(x): zero the sent positions of x (a fresh array), keep the rest.
             x[idx] = 0.0
             self.feedback.keep(name, x)
-        record = LayerRecord(
-            name=name,
-            numel=int(x.size),
-            kind=Kind.SPARSE_F32,
-            indices=idx.astype(np.int64),
-            values=values,
-        )
+        record = SparseRecord(name, int(x.size), idx.astype(np.int64), values)
         return CompressedLayer(record, (total - kept) / total if total > 0 else 0.0, k)

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig, make_compressor
-from tail_ray.compression.layers import raw_record
 from tail_ray.compression.quantize import levels_max
-from tail_ray.compression.wire import LayerRecord
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -117,7 +116,7 @@ def test_state_dict_roundtrip_and_resize_choice():
 def _exact_records(peers: list[dict[str, torch.Tensor]]) -> list[dict[str, LayerRecord]]:
     """Each rank's gradients as raw records: what ``aggregate`` hands ``observe_peers``, here
     without compression noise (so the spread is exactly the one made up by the test)."""
-    return [{n: raw_record(n, t.reshape(-1).numpy()) for n, t in p.items()} for p in peers]
+    return [{n: RawRecord(n, t.reshape(-1).numpy()) for n, t in p.items()} for p in peers]
 
 
 def _exchange(comps: list[TailCompressor], grads: list[dict[str, torch.Tensor]]) -> None:
@@ -172,8 +171,9 @@ def test_levels_are_within_bits():
 
     comp = TailCompressor(TailConfig(seed=2))
     recs = decode_payload(comp.compress(_grads(9)))
+    assert any(isinstance(rec, QuantRecord) for rec in recs)
     for rec in recs:
-        if rec.levels is not None:
+        if isinstance(rec, QuantRecord):
             assert np.abs(rec.levels.astype(int)).max() <= levels_max(rec.bits)
             assert math.isfinite(float(rec.scales.sum()))
 
