@@ -136,9 +136,13 @@ def fold_scaled(
     """targets += scale * (what ``compressor`` owes for each of their layers), then forgotten.
 
     ``Compressor.fold_residuals`` adds a residual as it is; a residual kept for a slice of the
-    mean must count ``scale`` times in a rank's gradient to count once in the mean."""
+    mean must count ``scale`` times in a rank's gradient to count once in the mean.
+
+    Multiplied, then added: two separately rounded float32 operations. ``add_(x, alpha=s)``
+    is a fused multiply-add in ATen's AVX2/AVX-512 kernels and two roundings in its default
+    one, so its bits would depend on the CPU."""
     owed = {name: torch.zeros(t.numel(), dtype=torch.float32) for name, t in targets.items()}
     compressor.fold_residuals(owed)
     for name, t in targets.items():
         if owed[name].any():
-            t.add_(owed[name].to(device=t.device, dtype=t.dtype).view(t.shape), alpha=scale)
+            t.add_(owed[name].mul_(scale).to(device=t.device, dtype=t.dtype).view(t.shape))

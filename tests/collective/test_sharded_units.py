@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,6 +107,40 @@ def test_peer_reports_give_every_rank_the_owners_noise():
         owner.controller.policy.relative_noise("w")
     )
     other.observe_reports([(["w", "x"], b"short")])  # a report of the wrong size only warns
+
+
+# Folds what a compressor owes into a gradient at the scales the collectives use (W, 1/W), and
+# prints the bits' digest: run under ATen's default (no AVX) and AVX2 kernels.
+_FOLD_SCRIPT = """
+import hashlib, numpy as np, torch
+from tail_ray.collective.exchange import fold_scaled
+from tail_ray.compression import make_compressor
+rng = np.random.default_rng(0)
+h = hashlib.sha256()
+for scale in (3.0, 1 / 3, 7.0):
+    comp = make_compressor("tail", seed=1)
+    residual = torch.from_numpy(rng.standard_normal(10_001).astype(np.float32))
+    comp.load_state_dict({**comp.state_dict(), "residuals": {"w": residual}})
+    grad = torch.from_numpy(rng.standard_normal(10_001).astype(np.float32))
+    fold_scaled(comp, {"w": grad}, scale)
+    h.update(grad.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_folding_what_is_owed_gives_the_same_bits_on_any_cpu():
+    """ATen's add_(x, alpha=s) is a fused multiply-add in its AVX2 / AVX-512 kernels and two
+    roundings in its default one: the owed residuals must be folded with the same bits on
+    every CPU (every rank adds them into a gradient that becomes the parameters)."""
+    digests = set()
+    for capability in ("default", "avx2"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        out = subprocess.run(
+            [sys.executable, "-c", _FOLD_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1, digests
 
 
 def test_collective_setting_and_auto():
