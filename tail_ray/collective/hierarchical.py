@@ -42,7 +42,7 @@ from tail_ray.collective.exchange import (
     plain_stats,
 )
 from tail_ray.collective.sharded import STAGE_TWO, ShardedExchange
-from tail_ray.collective.shards import MIN_SLICE_NUMEL, Shard, restrict, shard_layout, shard_views
+from tail_ray.collective.shards import MIN_SLICE_NUMEL, Shard, restrict, shard_views
 from tail_ray.collective.topology import NodeGroups, NodeLayout
 from tail_ray.compression.base import Compressor
 
@@ -65,7 +65,6 @@ class HierarchicalExchange(Exchange):
         self.compressor = compressor
         self.group = group
         self.layout = layout
-        self.min_slice_numel = min_slice_numel
         self.model_layers = list(model_layers) if model_layers is not None else None
         self.nodes: NodeGroups | None = None
         self._parts: list[Shard] | None = None  # the model cut over the node's L ranks
@@ -79,25 +78,17 @@ class HierarchicalExchange(Exchange):
             self.nodes = NodeGroups.build(self.layout, self.group)
             self.rail.group = self.nodes.rail
             if self.model_layers is not None:
-                self._parts = self._cut(self.model_layers, self.nodes.local_world_size)
+                self._parts = self.rail.cut(self.model_layers, self.nodes.local_world_size)
                 mine = self._parts[self.nodes.local_rank]
                 self.rail.model_layers = [(name, part.stop - part.start) for name, part in mine.items()]
         return self.nodes
-
-    def _cut(self, layers: Sequence[tuple[str, int]], world_size: int) -> list[Shard]:
-        return shard_layout(
-            layers,
-            world_size,
-            alignment=self.compressor.shard_alignment,
-            min_slice_numel=self.min_slice_numel,
-        )
 
     def _part(self, flat: Mapping[str, torch.Tensor], nodes: NodeGroups) -> dict[str, torch.Tensor]:
         """This rank's part of the bucket (views), recording where each layer's part starts."""
         if self._parts is not None:
             shards = restrict(self._parts, list(flat))
         else:
-            shards = self._cut([(name, t.numel()) for name, t in flat.items()], nodes.local_world_size)
+            shards = self.rail.cut([(name, t.numel()) for name, t in flat.items()], nodes.local_world_size)
         mine = shards[nodes.local_rank]
         for name, part in mine.items():
             self._part_offsets[name] = part.start

@@ -146,11 +146,11 @@ class ShardedExchange(Exchange):
         cached = self._layouts.get(key)
         if cached is None or len(cached[0]) != world_size:
             if self.model_layers is None:
-                shards = self._cut(key, world_size)
+                shards = self.cut(key, world_size)
             else:
                 model = self._model_shards.get(world_size)
                 if model is None:
-                    model = self._model_shards[world_size] = self._cut(self.model_layers, world_size)
+                    model = self._model_shards[world_size] = self.cut(self.model_layers, world_size)
                 sizes = dict(self.model_layers)
                 wrong = [(name, n) for name, n in key if sizes.get(name) != n]
                 if wrong:
@@ -162,7 +162,9 @@ class ShardedExchange(Exchange):
             self._layouts[key] = cached
         return cached
 
-    def _cut(self, layers: Sequence[tuple[str, int]], world_size: int) -> list[Shard]:
+    def cut(self, layers: Sequence[tuple[str, int]], world_size: int) -> list[Shard]:
+        """``layers`` cut into ``world_size`` shards at this compressor's alignment (the
+        hierarchical exchange cuts a node's parts with it too)."""
         return shard_layout(
             layers,
             world_size,

@@ -120,7 +120,6 @@ def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[La
     return payload, stats
 
 
-
 def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[EncodedLayer]) -> LayerStats:
     """One layer's stats when it was sent as slices (a sharded collective): the whole layer's
     bits, error and density (the slices' non-zeros together), the bytes of all its slices, and
@@ -133,6 +132,7 @@ def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[EncodedLayer]) -
         sum(c.nnz for c in slices),
     )
     return layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+
 
 class RecordSettings(Protocol):
     """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray.train
@@ -20,6 +21,7 @@ import torch
 
 from tail_ray.collective import HookStepMetrics
 from tail_ray.collective.topology import NodeLayout
+from tail_ray.compression.stats import LayerStats
 from tail_ray.metrics.client import MetricsClient
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.metrics.sink import get_or_create_sink
@@ -53,42 +55,29 @@ def step_records(
     loss: float,
 ) -> list[dict[str, Any]]:
     """The records one worker sends for one step: one per layer, then the step record."""
-    out = [
-        LayerMetric(
-            job_id=job_id,
-            step=step,
-            rank=rank,
-            layer=s.layer,
-            numel=s.numel,
-            bits=s.bits,
-            density=s.density,
-            raw_bytes=s.raw_bytes,
-            encoded_bytes=s.encoded_bytes,
-            ratio=s.ratio,
-            rel_error=s.rel_error,
-            code=s.code,
-        ).to_dict()
-        for s in comm.layers
-    ]
+
+    def layer_rows(stats: Sequence[LayerStats], suffix: str = "") -> list[dict[str, Any]]:
+        return [
+            LayerMetric(
+                job_id=job_id,
+                step=step,
+                rank=rank,
+                layer=f"{s.layer}{suffix}",
+                numel=s.numel,
+                bits=s.bits,
+                density=s.density,
+                raw_bytes=s.raw_bytes,
+                encoded_bytes=s.encoded_bytes,
+                ratio=s.ratio,
+                rel_error=s.rel_error,
+                code=s.code,
+            ).to_dict()
+            for s in stats
+        ]
+
     # The second stage of a sharded collective, for the layer slices this worker owns: its own
     # rows (layer "<name>@stage2"), so the dashboard shows both stages' bits and error.
-    out += [
-        LayerMetric(
-            job_id=job_id,
-            step=step,
-            rank=rank,
-            layer=f"{s.layer}{STAGE_TWO_SUFFIX}",
-            numel=s.numel,
-            bits=s.bits,
-            density=s.density,
-            raw_bytes=s.raw_bytes,
-            encoded_bytes=s.encoded_bytes,
-            ratio=s.ratio,
-            rel_error=s.rel_error,
-            code=s.code,
-        ).to_dict()
-        for s in comm.stage_two
-    ]
+    out = layer_rows(comm.layers) + layer_rows(comm.stage_two, STAGE_TWO_SUFFIX)
     out.append(
         StepMetric(
             job_id=job_id,

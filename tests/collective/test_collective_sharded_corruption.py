@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from corruption_steps import steps_until_error
 from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException
 
@@ -83,27 +84,9 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
         wrapper = exchange.compressor = TruncateForRankZero(exchange.compressor)  # type: ignore[attr-defined]
     if rank == 1 and mode == "stage_two":
         wrapper = exchange.stage_two = DamageStageTwo(exchange.stage_two)  # type: ignore[attr-defined]
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    outcome: dict[str, Any] = {"ok_steps": 0}
-    for step in range(3):
-        if wrapper is not None:
-            wrapper.armed = step >= CORRUPT_FROM_STEP
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 64, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        t0 = time.perf_counter()
-        try:
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        except Exception as exc:
-            chain, e = [], exc
-            while e is not None:
-                chain.append(f"{type(e).__name__}: {e}")
-                e = e.__cause__ or e.__context__
-            outcome.update(failed_step=step, failed_after_s=time.perf_counter() - t0, chain=chain)
-            break
-        outcome["ok_steps"] += 1
-    torch.save(outcome, out_dir / f"rank{rank}.pt")
+    steps_until_error(
+        ddp, rank, out_dir, in_features=64, corrupt_from_step=CORRUPT_FROM_STEP, wrapper=wrapper
+    )
 
 
 def _ranks_whose_shard_differs() -> set[int]:

@@ -37,3 +37,24 @@ def test_unknown_compression_setting_is_a_config_error():
     ds = make_dataset("digits")
     with pytest.raises(ConfigError):
         Comm(make_model("digits_cnn", ds), "tail", {"no_such_setting": 1})
+
+
+def test_step_records_carry_both_stages_of_a_sharded_collective():
+    """One row per layer, then one per second-stage slice under "<name>@stage2" with that
+    stage's own bits and bytes, then the step record."""
+    from tail_ray.collective import HookStepMetrics
+    from tail_ray.compression.stats import LayerStats
+    from tail_ray.runner.config import JobConfig
+    from tail_ray.runner.train_loop import STAGE_TWO_SUFFIX, step_records
+
+    cfg = JobConfig.from_yaml("jobs/configs/digits-tail.yaml")
+    first = LayerStats("fc1.weight", 8192, 4, 0.5, 32768, 4200, 0.1, "rans")
+    second = LayerStats("fc1.weight", 4096, 5, 0.7, 16384, 2600, 0.05, "bitpack")
+    comm = HookStepMetrics(layers=[first], stage_two=[second], bytes_sent=6800)
+    rows = step_records(cfg, "job", step=3, rank=1, world_size=4, comm=comm, step_s=0.1, loss=2.0)
+    assert [(r["layer"], r["bits"], r["encoded_bytes"]) for r in rows[:2]] == [
+        ("fc1.weight", 4, 4200),
+        (f"fc1.weight{STAGE_TWO_SUFFIX}", 5, 2600),
+    ]
+    assert all(r["step"] == 3 and r["rank"] == 1 for r in rows)
+    assert len(rows) == 3 and rows[2]["bytes_sent"] == 6800
