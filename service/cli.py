@@ -31,8 +31,8 @@ import yaml
 from service.client import Api, CliError, home_dir, state_file
 from service.job_yaml import load_job_yaml
 from service.stack import Stack, StackOptions, StopRequested, running
+from service.status import JobStatus
 
-TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
 EXIT_USAGE, EXIT_API = 2, 1
 __all__ = ["EXIT_API", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
@@ -191,7 +191,7 @@ def _follow(api: Api, job_id: str, label: str, steps: int, tick: Callable[[], No
         done = 0 if last is None else min(steps, last + 1)
         bar = "#" * (width * done // steps) + "-" * (width - width * done // steps)
         print(f"\r{label:>5} [{bar}] {done:>4}/{steps} {job['status']:<10}", end="", flush=True)
-        if job["status"] in TERMINAL:
+        if JobStatus.from_ray(job["status"]).is_terminal:
             print()
             return dict(job)
         time.sleep(1.0)

@@ -40,12 +40,12 @@ def test_overrides_round_trip_through_job_config(fields: dict) -> None:
 
 def test_entrypoint_is_the_train_module_with_quoted_overrides_only() -> None:
     spec = JobCreate(name="a.b-c", compression={"mode": "x y"[:1]})
-    args = shlex.split(spec.entrypoint())
+    args = shlex.split(spec.train_command())
     assert args[:5] == ["python", "-m", "jobs.train", "--config", BASE_CONFIG]
     flags = args[5::2]
     assert set(flags) == {"--set"}
-    assert is_train_entrypoint(spec.entrypoint())
-    assert name_from_entrypoint(spec.entrypoint(), "default") == "a.b-c"
+    assert is_train_entrypoint(spec.train_command())
+    assert name_from_entrypoint(spec.train_command(), "default") == "a.b-c"
 
 
 @pytest.mark.parametrize(
