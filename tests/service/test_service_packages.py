@@ -147,7 +147,11 @@ def test_custom_job_specs_are_checked_before_anything_is_stored(client: TestClie
 
     # A valid one passes every check; Ray (absent here) then refuses: 503, and the job is FAILED.
     code, body = post(
-        {"entrypoint": {"module": "pkg", "args": ["--steps", "3"]}, "working_dir": package, "pip": ["numpy>=1.26"]}
+        {
+            "entrypoint": {"module": "pkg", "args": ["--steps", "3"]},
+            "working_dir": package,
+            "pip": ["numpy>=1.26"],
+        }
     )
     assert code == 503, body
     job = client.get("/v1/jobs").json()["items"][0]

@@ -132,9 +132,10 @@ def test_checkpoint_directory_keeps_the_controller_and_drops_residuals_on_resize
     resized = {**state, "world_size": 2}  # written by a group of another size
     assert tt.load_state_dict(resized) is False
     after = tt.state_dict()["hook"]["compressor"]
-    assert not after["residuals"] and after["controller"]["plans"].keys() == state["hook"]["compressor"][
-        "controller"
-    ]["plans"].keys()
+    assert (
+        not after["residuals"]
+        and after["controller"]["plans"].keys() == state["hook"]["compressor"]["controller"]["plans"].keys()
+    )
 
 
 def _ddp_worker(rank: int, world_size: int, out_dir: str) -> None:
