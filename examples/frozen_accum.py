@@ -96,7 +96,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             )
             last = micro == accumulate - 1
             # no_sync exists only on the DDP wrapper (world size 1 has none: nothing to sync).
-            quiet = model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
+            quiet: Any = contextlib.nullcontext()
+            if isinstance(model, nn.parallel.DistributedDataParallel) and not last:
+                quiet = model.no_sync()
             with quiet:
                 logits, recon = model(x, with_aux)
                 loss = nn.functional.cross_entropy(logits, y)

@@ -112,5 +112,5 @@ def test_spec_validation_loads_neither_ray_train_nor_torch() -> None:
         "JobCreate(steps=10, method='qsgd').to_job_config(); "
         "print(sorted(m for m in ('torch', 'ray.train', 'numba') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
