@@ -8,7 +8,7 @@ per-layer compression metrics to the job's sink, and the tail-ray service shows 
     python examples/gpt2_tiny.py --workers 2 --steps 100                 # standalone (local Ray)
     RAY_AUTH_MODE=token ray job submit --working-dir examples -- python gpt2_tiny.py --steps 100
     tail-ray submit --working-dir examples -- python gpt2_tiny.py --steps 100   # through REST
-    torchrun --nproc-per-node 2 examples/gpt2_tiny.py --no-ray --steps 100     # no Ray at all
+    torchrun --standalone --nproc-per-node 2 examples/gpt2_tiny.py --no-ray    # no Ray at all
 
 Needs ``transformers`` (``pip install -e ".[examples]"``); nothing is downloaded: the config is
 built here and the text comes from modules every Python has.
@@ -95,7 +95,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         scheduler.step()
     if session.rank == 0:
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        print(json.dumps({"step": config["steps"], "loss": float(loss), **data.evaluate(bare)}), flush=True)
+        print(
+            json.dumps({"step": config["steps"], "loss": float(loss.detach()), **data.evaluate(bare)}),
+            flush=True,
+        )
     tail_ray.train.finish()
 
 
