@@ -165,7 +165,10 @@ class RayGateway:
         except Exception as exc:
             self._cluster_gone()
             raise self._unavailable("cannot list Ray jobs", exc) from None
-        with_sinks = self.sink_job_ids()
+        try:
+            with_sinks = self.sink_job_ids()
+        except RayUnavailable:  # the job server answers but the GCS does not (yet): list what we can
+            with_sinks = set()
         out = []
         for d in details:
             if d.submission_id and (
