@@ -53,6 +53,13 @@ class PackageNotFound(ServiceError):
     code = "package_not_found"
 
 
+class NoSuchPackage(ServiceError):
+    """GET of an id the store does not hold (a job spec naming one gets PackageNotFound)."""
+
+    status_code = 404
+    code = "package_not_found"
+
+
 @dataclass(frozen=True)
 class PackageInfo:
     id: str

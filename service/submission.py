@@ -15,13 +15,25 @@ from pathlib import Path
 from typing import Any
 
 import tail_ray
-from service.errors import ServiceError
+from service.errors import Forbidden, ServiceError
 from service.packages import PackageStore
-from service.routers.packages import require_custom_jobs
 from service.schemas import EntrypointSpec, JobCreate
 from service.settings import Settings
 
 TAIL_RAY_DIR = Path(tail_ray.__file__).resolve().parent
+
+
+class CustomJobsDisabled(Forbidden):
+    code = "custom_jobs_disabled"
+
+
+def require_custom_jobs(settings: Settings) -> None:
+    """A job with its own entrypoint, or a package for one, on a service that allows them."""
+    if not settings.custom_jobs_enabled:
+        raise CustomJobsDisabled(
+            "this service runs the built-in trainer only: jobs with an entrypoint of their own and "
+            "package uploads are turned off (TAIL_RAY_CUSTOM_JOBS_ENABLED=false)"
+        )
 
 
 class EntrypointNotFound(ServiceError):

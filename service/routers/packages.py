@@ -8,31 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request, Response, status
 
 from service.deps import PackagesDep, SettingsDep, guard_reads, require_token
-from service.errors import Forbidden, ServiceError
+from service.packages import NoSuchPackage
 from service.routing import AuthFirstRoute
 from service.schemas import PackagePublic
-from service.settings import Settings
+from service.submission import require_custom_jobs
 
 UPLOAD_PATH = "/v1/packages"
 router = APIRouter(prefix=UPLOAD_PATH, tags=["packages"], route_class=AuthFirstRoute)
 PackageIdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="The package's id (SHA-256).")]
-
-
-class NoSuchPackage(ServiceError):
-    status_code = 404
-    code = "package_not_found"
-
-
-class CustomJobsDisabled(Forbidden):
-    code = "custom_jobs_disabled"
-
-
-def require_custom_jobs(settings: Settings) -> None:
-    if not settings.custom_jobs_enabled:
-        raise CustomJobsDisabled(
-            "this service runs the built-in trainer only: jobs with an entrypoint of their own and "
-            "package uploads are turned off (TAIL_RAY_CUSTOM_JOBS_ENABLED=false)"
-        )
 
 
 @router.post(
