@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.status import TERMINAL_STATUSES, JobStatus
+
 logger = logging.getLogger(__name__)
 
 MIGRATIONS: tuple[str, ...] = (
@@ -226,8 +228,8 @@ _INT_FIELDS = frozenset(
     }
 )
 _STR_FIELDS = frozenset({"layer", "code", "method"})
-TERMINAL = ("STOPPED", "SUCCEEDED", "FAILED")
-STOPPING = "STOPPING"  # ours, not Ray's: a stop was asked for and Ray has not finished it
+TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATUSES))  # for SQL: status IN (...)
+STOPPING = JobStatus.STOPPING
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ class JobRow:
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in TERMINAL
+        return JobStatus.from_ray(self.status).is_terminal
 
 
 @dataclass(frozen=True)

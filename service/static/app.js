@@ -91,7 +91,7 @@ function renderJobs(page) {
     const tr = document.createElement("tr");
     tr.dataset.jobId = job.id;
     if (job.id === state.jobId) tr.classList.add("selected");
-    const method = job.spec ? job.spec.method : "(ray job submit)";
+    const method = job.spec?.method ?? (job.spec ? "(own code)" : "(ray job submit)");
     for (const [text, cls] of [[job.name, ""], [method, ""], [job.status, `status-${job.status}`]]) {
       const td = document.createElement("td");
       td.textContent = text;
@@ -155,7 +155,7 @@ function renderSteps() {
 
 function renderSummary(job, summary) {
   $("job-title").textContent = `${job.name} · ${job.status}`;
-  const method = job.spec ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
+  const method = job.spec?.method ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
   $("job-meta").textContent = `${job.id} · ${method}`;
   $("last-step").textContent = summary.last_step ?? "–";
   $("ratio").textContent = summary.bytes_sent ? `${fmt(summary.ratio, 2)}×` : "–";
