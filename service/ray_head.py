@@ -328,7 +328,8 @@ class LocalRayHead:
             elif not self.include_dashboard:
                 return
             else:
-                token = ray_token()
+                # A node given its own token (RAY_AUTH_TOKEN in ``env``) checks with that one.
+                token = self.extra_env.get("RAY_AUTH_TOKEN") or ray_token()
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
                 try:
                     resp = httpx.get(f"{self.dashboard_url}/api/jobs/", headers=headers, timeout=2.0)
