@@ -57,6 +57,11 @@ class QSGDCompressor(RecordCompressor):
         self._rng = np.random.default_rng(self._seed)
         self._calls = 0
 
+    @property
+    def shard_alignment(self) -> int:
+        """Slices are cut between quantizer buckets."""
+        return self.config.bucket_size
+
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
         self._calls += 1
 

@@ -17,10 +17,18 @@ their norms; ``fold_residuals`` and ``state_dict`` / ``load_state_dict`` of the 
 defined here once. Subclasses add hooks where they need them: ``begin_call`` (counters
 before a call's layers), ``observe_peers`` (a controller's view of every rank's records) and
 ``state_dict`` / ``load_state_dict`` extensions.
+
+Sharded collectives (``compress_shards``): the layers are compressed exactly as by
+``compress`` (one step of error feedback and of the controller per layer, on the whole layer),
+then each record is cut into the shards' slices (``records.slice_record``: between quantizer
+buckets, so the levels and scales sent are the same) and every shard is encoded into its own
+payload. ``second_stage`` is a fresh instance of the same class from the same settings (the
+seed salted, so its rounding is independent of the first stage's), with its own residuals.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from abc import abstractmethod
@@ -36,12 +44,15 @@ from tail_ray.compression.base import Compressor
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord, slice_record
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# Salt of a spawned compressor's seed: its stochastic rounding must not replay its parent's.
+_SPAWN_SEED_SALT = 0x9E3779B9
 
 # Warn about non-finite layers at most this many times per process: a diverging run would
 # otherwise flood the log every step.
@@ -109,6 +120,20 @@ def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[La
     return payload, stats
 
 
+def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[EncodedLayer]) -> LayerStats:
+    """One layer's stats when it was sent as slices (a sharded collective): the whole layer's
+    bits, error and density (the slices' non-zeros together), the bytes of all its slices, and
+    the code that carried most."""
+    biggest = max(slices, key=lambda c: c.encoded_bytes)
+    cost = EncodedLayer(
+        layer.record.name,
+        sum(c.encoded_bytes for c in slices),
+        biggest.code,
+        sum(c.nnz for c in slices),
+    )
+    return layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+
+
 class RecordSettings(Protocol):
     """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,
     TailConfig): the raw policy's threshold and whether error feedback is on."""
@@ -124,12 +149,14 @@ class RecordCompressor(Compressor):
     """Base of QSGDCompressor, TopKCompressor and TailCompressor; see the module docstring."""
 
     name = "record"
+    shardable = True
 
     def __init__(self, settings: RecordSettings, *, feedback: ErrorFeedback | None = None) -> None:
         """``feedback``: the error-feedback memory to run with (injected, e.g. one kept on another
         device or shared with a second stage); a fresh one when None; none at all when
         ``settings.error_feedback`` is off."""
         super().__init__()
+        self.settings = settings
         self.raw_below_numel = int(settings.raw_below_numel)
         if not settings.error_feedback and feedback is not None:
             raise ConfigError(f"{self.name}: an error-feedback memory was given but error_feedback is false")
@@ -144,6 +171,50 @@ class RecordCompressor(Compressor):
         payload, self._last_stats = encode_with_stats(layers)
         self._own_records = [layer.record for layer in layers]
         return payload
+
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        layers = {layer.record.name: layer for layer in self.compress_records(grads)}
+        payloads: list[bytes] = []
+        slice_costs: dict[str, list[EncodedLayer]] = {name: [] for name in layers}
+        own: list[LayerRecord] | None = None
+        for k, shard in enumerate(shards):
+            cut = []
+            for name, part in shard.items():
+                record = layers[name].record
+                start, stop, _ = part.indices(record.numel)
+                cut.append(slice_record(record, start, stop))
+            payload, costs = encode_payload(cut)
+            for cost in costs:
+                slice_costs[cost.name].append(cost)
+            payloads.append(payload)
+            if k == own_shard:
+                own = cut
+        self._last_stats = [
+            sliced_layer_stats(layer, slice_costs[name])
+            for name, layer in layers.items()
+            if slice_costs[name]
+        ]
+        self._own_records = own
+        return payloads
+
+    def second_stage(self) -> RecordCompressor:
+        return self.spawn()
+
+    def spawn(self) -> RecordCompressor:
+        """A fresh instance from the same settings (a set seed salted: independent rounding)."""
+        # Settings are frozen dataclasses (the registry builds them); a set seed is salted.
+        values = dataclasses.asdict(self.settings)  # type: ignore[call-overload]
+        settings = self.settings
+        if values.get("seed") is not None:
+            seed = (int(values["seed"]) * _SPAWN_SEED_SALT + 1) & 0xFFFF_FFFF
+            settings = dataclasses.replace(settings, seed=seed)  # type: ignore[type-var]
+        return type(self)(settings)
 
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[CompressedLayer]:
         """The engine's part of ``compress``: everything but the wire's encoding."""
@@ -220,6 +291,9 @@ class RecordCompressor(Compressor):
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
         if self.feedback is not None:
             self.feedback.fold_into(grads)
+
+    def residuals_of(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {str(name): torch.as_tensor(e).reshape(-1) for name, e in dict(state["residuals"]).items()}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"residuals": {name: tensor}}``; subclasses add their own keys."""
