@@ -58,7 +58,9 @@ def uses_triton(t: torch.Tensor) -> bool:
         return False
     if choice == "triton":
         if not triton_importable():
-            raise ConfigError(f"{BACKEND_ENV}=triton but triton is not installed: pip install 'tail-ray[gpu]'")
+            raise ConfigError(
+                f"{BACKEND_ENV}=triton but triton is not installed: pip install 'tail-ray[gpu]'"
+            )
         if t.device.type != "cuda" and not interpreting():
             raise ConfigError(
                 f"{BACKEND_ENV}=triton on a {t.device.type} tensor needs TRITON_INTERPRET=1 "

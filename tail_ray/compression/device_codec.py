@@ -28,7 +28,14 @@ import triton
 from tail_ray.compression import triton_kernels as K
 from tail_ray.compression.bitpack import packed_bytes, unpack_fixed
 from tail_ray.compression.device import DeviceFlat
-from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, inverse_levels_max, levels_max, n_buckets
+from tail_ray.compression.grid import (
+    F32_MAX,
+    TINY_PRESCALE,
+    TINY_SCALE,
+    inverse_levels_max,
+    levels_max,
+    n_buckets,
+)
 from tail_ray.errors import CodecError
 
 # Elements per program of the elementwise kernels (pack, dequantize, mean, sum of squares).
@@ -167,7 +174,9 @@ def pack_levels(levels: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, bits: int, bucket_size: int, numel: int) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, bits: int, bucket_size: int, numel: int
+) -> torch.Tensor:
     """The grid's ``float32(level) * (scale * (1 / L))`` from a ``bitpack`` body, on its device."""
     if packed.numel() < packed_bytes(numel, bits) or scales.numel() < n_buckets(numel, bucket_size):
         raise ValueError(f"{packed.numel()} bytes / {scales.numel()} scales too few for {numel} levels")
@@ -223,7 +232,9 @@ def uniform_reference(seed: int, idx: np.ndarray) -> np.ndarray:
     """The device quantizer's uniforms in numpy: ``triton_kernels._uniform`` for these
     element indices, as float32 multiples of 2^-24 in [0, 1)."""
     with np.errstate(over="ignore"):
-        x = np.asarray(idx, dtype=np.uint64).astype(np.uint32) * np.uint32(0x9E3779B9) + np.uint32(seed & 0xFFFFFFFF)
+        x = np.asarray(idx, dtype=np.uint64).astype(np.uint32) * np.uint32(0x9E3779B9) + np.uint32(
+            seed & 0xFFFFFFFF
+        )
         x ^= x >> np.uint32(16)
         x *= np.uint32(0x7FEB352D)
         x ^= x >> np.uint32(15)

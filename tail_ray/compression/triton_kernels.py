@@ -31,7 +31,7 @@ program can compute any element's draw. docs/gpu.md has the argument that it sta
 """
 
 # Triton kernels are typed by Triton, not mypy.
-# mypy: disable-error-code="no-untyped-def,name-defined,valid-type"
+# mypy: disable-error-code="no-untyped-def,name-defined,valid-type,attr-defined"
 
 from __future__ import annotations
 
