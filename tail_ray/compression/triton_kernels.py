@@ -21,7 +21,9 @@ bits as the CPU path:
 Bit-exactness needs two launch-time choices, made by every wrapper here: ``enable_fp_fusion=
 False`` (Triton fuses a * b + c into one FMA by default, which rounds once where the grid
 rounds twice: the residual and the rounding argument would differ in the last bit) and IEEE
-division (``tl.fdiv(..., ieee_rounding=True)``; the default float32 divide may be approximate).
+division (``tl.fdiv(..., ieee_rounding=True)`` in float32, where the default may be
+approximate; a float64 ``/`` is div.rn.f64). ``triton_aot`` compiles every kernel for sm_90
+without a GPU and checks the PTX for both.
 
 Randomness is the one part that differs from the CPU path, by design: the numba quantizer
 reads a shuffled table at offsets drawn from a splitmix64 chain that runs sequentially through
@@ -38,10 +40,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-F32_MAX = 3.4028234663852886e38
-TINY_SCALE = 2.0**-64
-TINY_PRESCALE = 2.0**64
-LANES = 64  # fixedsum.LANES: the lane layout of every CPU float sum
+# Globals a kernel reads must be constexpr (compiled Triton refuses other globals).
+F32_MAX = tl.constexpr(3.4028234663852886e38)  # grid.F32_MAX, exactly float32's max
+TINY_SCALE = tl.constexpr(2.0**-64)  # grid.TINY_SCALE
+TINY_PRESCALE = tl.constexpr(2.0**64)  # grid.TINY_PRESCALE
+LANES = tl.constexpr(64)  # fixedsum.LANES: the lane layout of every CPU float sum
 
 
 @triton.jit
@@ -184,7 +187,9 @@ def _mean_kernel(levels_ptr, steps_ptr, bucket_ptr, out_ptr, n, world, steps_str
         lv = tl.load(levels_ptr + r * n + offs, mask=mask, other=0)
         st = tl.load(steps_ptr + r * steps_stride + offs // bs, mask=mask, other=0.0)
         acc = acc + (lv.to(tl.float32) * st).to(tl.float64)
-    mean = tl.fdiv(acc, world.to(tl.float64), ieee_rounding=True)
+    # A float64 ``/`` is IEEE division on NVIDIA (div.rn.f64); Triton's ieee_rounding flag is
+    # float32-only (its intrinsic fails to build for doubles).
+    mean = acc / world.to(tl.float64)
     tl.store(out_ptr + offs, mean.to(tl.float32), mask=mask)
 
 
@@ -259,7 +264,7 @@ def _bucket_errors_kernel(
                     y = (tl.abs(x) * pre) * inv
                     f = y - y.to(tl.int32).to(tl.float32)
                     frac = frac + tl.where(msk, f * (1.0 - f), 0.0)
-                step = tl.fdiv(m.to(tl.float64), lf.to(tl.float64), ieee_rounding=True)
+                step = m.to(tl.float64) / lf.to(tl.float64)  # float64: IEEE div.rn.f64
                 term = step * step * _lanes_total(frac).to(tl.float64)
                 num = num + tl.where(cand == j, term, 0.0)
     tl.store(out_ptr + cand, num, mask=cand < NC)

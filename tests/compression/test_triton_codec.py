@@ -70,6 +70,15 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- kernels
 
 
+def test_kernel_constants_are_the_grids() -> None:
+    from tail_ray.compression import fixedsum, grid
+    from tail_ray.compression import triton_kernels as K
+
+    assert K.LANES.value == fixedsum.LANES
+    assert np.float32(K.F32_MAX.value) == grid.F32_MAX and K.F32_MAX.value == float(grid.F32_MAX)
+    assert K.TINY_SCALE.value == float(grid.TINY_SCALE) and K.TINY_PRESCALE.value == float(grid.TINY_PRESCALE)
+
+
 @pytest.mark.parametrize(
     ("bits", "bucket", "n", "with_e"),
     [(4, 512, 2000, True), (2, 64, 1000, True), (8, 100, 700, True), (3, 256, 900, False), (5, 8, 203, True)],
