@@ -354,3 +354,25 @@ def test_nonfinite_layer_goes_raw_and_keeps_its_residual() -> None:
     np.testing.assert_array_equal(_host(comp.feedback.device_buffer("fc2.weight", 4200, DEV)), before)
     # the checkpoint holds host copies of device residuals
     assert comp.state_dict()["residuals"]["fc2.weight"].device.type == "cpu"
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_the_collective_path_runs_unchanged_on_the_triton_backend() -> None:
+    """The hook layer's world-size-1 round trip (compress -> aggregate into the gradients)
+    with the Triton backend: gradients change to their quantized mean, metrics are recorded."""
+    from tail_ray.collective import compress_gradients_locally, make_hook_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.ReLU(), torch.nn.Linear(80, 8)).to(DEV)
+    state = make_hook_state(model, "tail", {"seed": 4})
+    model(torch.randn(16, 64, device=DEV)).square().mean().backward()
+    w = model[0].weight
+    assert w.grad is not None
+    before = w.grad.detach().clone()
+    compress_gradients_locally(state, model)
+    after = w.grad.detach()
+    assert after.device == before.device and not torch.equal(after, before)
+    lmax = levels_max(max(s.bits for s in state.drain_metrics().layers if s.layer == "0.weight"))
+    # every value within one grid step (scale / L) of the gradient, bucket by bucket
+    step = before.reshape(-1, 512).abs().amax(dim=1, keepdim=True) / lmax
+    assert ((after.reshape(-1, 512) - before.reshape(-1, 512)).abs() <= step * (1 + 1e-6)).all()
