@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:  # before anything imports triton: the kernels are made interpreted at decoration
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+# conftest.py set TRITON_INTERPRET=1 (no GPU) before anything imported triton.
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "run these tests through pytest (conftest.py)"
 
 pytest.importorskip("triton", reason="the gpu extra (triton) is not installed")
 

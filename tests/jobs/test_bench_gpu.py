@@ -15,9 +15,8 @@ from jobs.bench_gpu import Shape, torch_dequantize4, torch_quantize4
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the benchmark would run")
 def test_without_cuda_it_says_so_and_exits_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.bench_gpu", "--quick"], capture_output=True, text=True, env=env, timeout=120
-    )
+    cmd = [sys.executable, "-m", "jobs.bench_gpu", "--quick"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "--interpret" in proc.stderr and "gpu_check.sh" in proc.stderr
 
