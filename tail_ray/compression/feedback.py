@@ -16,8 +16,8 @@ its own. Three ways to use it:
 and its noise accounting read it); a norm nobody measured is computed when first asked for.
 On resize/restart the residuals are per worker: see ``load_state_dict`` of the compressors.
 
-Where a residual lives follows its gradient: ``buffer(name, numel, device=...)`` hands out a
-float32 torch tensor on that device (the Triton backend's CUDA residual, rewritten in place
+Where a residual lives follows its gradient: ``device_buffer(name, numel, device)`` hands out
+a float32 torch tensor on that device (the Triton backend's CUDA residual, rewritten in place
 by its kernel), ``buffer(name, numel)`` a numpy array; a residual asked for on the other side
 is moved there once (a checkpoint restored on the host, a backend switch).
 """
