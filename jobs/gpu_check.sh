@@ -7,7 +7,8 @@
 #   env.txt       nvidia-smi, python, torch / triton / numba / numpy versions
 #   aot.txt       every codec kernel compiled for this GPU's arch, PTX checked (no FMA, IEEE div)
 #   tests.txt     the device codec's tests compiled on CUDA (exact against numba / numpy), the
-#                 CUDA-only test, and the codec corpus digest (the wire format did not move)
+#                 CUDA-only tests (the device mean into CUDA gradients bit-exact with the CPU's
+#                 among them), and the codec corpus digest (the wire format did not move)
 #   bench.txt     python -m jobs.bench_gpu (codec GB/s side by side, DDP step times), and
 #   bench_gpu.json  the same figures as JSON (commit them to docs/gpu.md with the GPU named)
 #
@@ -42,7 +43,8 @@ print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'"
 arch=$($PY -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(10 * m + n)' 2>/dev/null || echo 90)
 step aot 90 "$PY" -m tail_ray.compression.triton_aot --arch "$arch"
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
-  tests/compression/test_triton_codec.py tests/compression/test_codec_corpus.py tests/jobs/test_bench_gpu.py
+  tests/compression/test_triton_codec.py tests/compression/test_codec_corpus.py tests/jobs/test_bench_gpu.py \
+  tests/collective/test_decode_average.py
 step bench 300 "$PY" -m jobs.bench_gpu --json "$OUT/bench_gpu.json"
 echo "gpu_check: exit $status (outputs in $OUT)"
 exit "$status"
