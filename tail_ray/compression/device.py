@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 BACKEND_ENV = "TAIL_RAY_CODEC_BACKEND"
 BACKENDS = ("auto", "cpu", "triton")
+# The quantizer runs one Triton program per bucket, the whole bucket in registers; past this
+# size (the default is 512) a layer is quantized on the host instead (a warning says so).
+MAX_DEVICE_BUCKET = 1 << 14
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import triton
 
 from tail_ray.compression import triton_kernels as K
 from tail_ray.compression.bitpack import packed_bytes, unpack_fixed
-from tail_ray.compression.device import DeviceFlat
+from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat
 from tail_ray.compression.grid import (
     F32_MAX,
     TINY_PRESCALE,
@@ -110,6 +110,8 @@ def quantize_device(
     """The fused kernel, results left on the device: (packed levels uint8 in the wire's
     ``bitpack`` layout, scales f32, per-bucket non-zero counts i32, per-bucket ||e'||^2 f64).
     ``residual`` (float32, g's size, same device) becomes the new residual in place."""
+    if not 1 <= bucket_size <= MAX_DEVICE_BUCKET:
+        raise ValueError(f"the Triton quantizer takes buckets of 1..{MAX_DEVICE_BUCKET}, got {bucket_size}")
     n, dev = g.size, g.tensor.device
     lmax = levels_max(bits)
     nb = n_buckets(n, bucket_size)

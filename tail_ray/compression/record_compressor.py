@@ -28,6 +28,7 @@ before a call's layers), ``observe_peers`` (a controller's view of every rank's 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from abc import abstractmethod
@@ -40,7 +41,7 @@ import torch
 
 from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
-from tail_ray.compression.device import DeviceFlat, LayerArray, device_flat, uses_triton
+from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
@@ -76,6 +77,15 @@ class CompressedLayer:
     record: LayerRecord
     rel_error: float = 0.0
     nnz: int | None = None
+
+
+@functools.cache
+def _warn_big_bucket(bucket_size: int) -> None:
+    log.warning(
+        "bucket_size %d is above the Triton quantizer's %d: CUDA layers are quantized on the host",
+        bucket_size,
+        MAX_DEVICE_BUCKET,
+    )
 
 
 def _host(g: LayerArray) -> np.ndarray:
@@ -208,6 +218,9 @@ class RecordCompressor(Compressor):
     ) -> tuple[QuantRecord, int]:
         """Stochastic quantization of g + e in one fused pass (Tail's and qsgd's kernel), which
         also writes the new residual and its norm; returns the record and its non-zero levels."""
+        if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
+            _warn_big_bucket(bucket_size)
+            g = g.host()  # and its residual moves to the host with it (residual_of below)
         if isinstance(g, DeviceFlat):
             from tail_ray.compression import device_codec
 
@@ -219,7 +232,8 @@ class RecordCompressor(Compressor):
             return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz
         levels = np.empty(g.size, dtype=np.int8)
         scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
-        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        residual = self.residual_of(name, g)
+        assert residual is None or isinstance(residual, np.ndarray)
         nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
         if self.feedback is not None:
             self.feedback.measured(name, err_sq)

@@ -375,3 +375,20 @@ def test_the_collective_path_runs_unchanged_on_the_triton_backend() -> None:
     # every value within one grid step (scale / L) of the gradient, bucket by bucket
     step = before.reshape(-1, 512).abs().amax(dim=1, keepdim=True) / lmax
     assert ((after.reshape(-1, 512) - before.reshape(-1, 512)).abs() <= step * (1 + 1e-6)).all()
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_buckets_too_big_for_one_program_are_quantized_on_the_host(caplog: pytest.LogCaptureFixture) -> None:
+    from tail_ray.compression.device import MAX_DEVICE_BUCKET
+
+    with pytest.raises(ValueError, match=r"buckets of 1\.\."):
+        dc.quantize_device(DeviceFlat(_dev(np.ones(8, np.float32))), None, 4, MAX_DEVICE_BUCKET + 1, 0)
+    big = MAX_DEVICE_BUCKET * 2
+    comp = QSGDCompressor(QSGDConfig(bits=4, bucket_size=big, seed=2, error_feedback=True))
+    g = _grad(3 * MAX_DEVICE_BUCKET, 8)
+    with caplog.at_level("WARNING"):
+        payload = comp.compress({"w": _dev(g)})
+    assert "quantized on the host" in caplog.text
+    (rec,) = decode_payload(payload)
+    assert isinstance(rec, QuantRecord) and rec.bucket_size == big
+    np.testing.assert_array_equal(rec.scales, [np.abs(g[:big]).max(), np.abs(g[big:]).max()])
