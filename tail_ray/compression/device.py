@@ -6,7 +6,8 @@ do not change: a CUDA gradient with ``triton`` importable goes to the device cod
 the bit-packed levels and the scales cross to the host), anything else to the numba path.
 
 ``TAIL_RAY_CODEC_BACKEND`` overrides the choice:
-    auto    (default) Triton for CUDA tensors when triton is importable, numba otherwise
+    auto    (default) Triton for CUDA tensors when triton is importable (and the GPU is a
+            Volta, sm_70, or newer), numba otherwise
     cpu     always numba (CUDA gradients are copied to the host, as before issue 12)
     triton  always Triton; for a CPU tensor this needs ``TRITON_INTERPRET=1`` (Triton's
             interpreter: how CI runs the device kernels without a GPU; slow, for tests)
@@ -71,9 +72,29 @@ def uses_triton(t: torch.Tensor) -> bool:
             )
         _announce("triton", t.device.type)
         return True
-    if t.device.type == "cuda" and triton_importable():
+    if t.device.type == "cuda" and triton_importable() and _triton_supports(t.device):
         _announce("triton", "cuda")
         return True
+    return False
+
+
+# Triton 3 generates code for Volta (sm_70) and newer; on an older GPU ``auto`` keeps the
+# CPU path rather than failing at the first kernel launch.
+_MIN_CAPABILITY = (7, 0)
+
+
+def _triton_supports(device: torch.device) -> bool:
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    """Whether GPU ``index`` is new enough for Triton (asked, and warned about, once)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if (int(major), int(minor)) >= _MIN_CAPABILITY:
+        return True
+    log.warning("GPU %d is sm_%d%d, older than Triton supports: its gradients use the CPU codec",
+                index, major, minor)  # fmt: skip
     return False
 
 
