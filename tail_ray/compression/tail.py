@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import layer_seed
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
@@ -144,6 +144,7 @@ class TailCompressor(RecordCompressor):
     """Tail: see the module docstring. Stateful (residuals, controller); decoding is stateless."""
 
     name = "tail"
+    device_backend = True  # CUDA gradients: the Triton kernels (see RecordCompressor)
 
     def __init__(self, config: TailConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else TailConfig()
@@ -186,10 +187,10 @@ class TailCompressor(RecordCompressor):
         for name in grads:  # every layer counts, raw ones too
             self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
 
-    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
+    def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         cfg = self.config
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
-        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        residual = self.residual_of(name, g)
         # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
         # the runaway guard and for observe_peers' account of what compression put into
         # the decoded gradients.
