@@ -393,6 +393,36 @@ def print_table(results: list[dict[str, Any]]) -> None:
                     print(f"  {name:<40} tau {taus[name]:.4f}  noise {noise.get(name, 0.0):.4f}")
 
 
+def bits_over_steps(history: dict[str, list[int]], columns: int) -> tuple[list[int], dict[str, list[int]]]:
+    """The steps to show (``columns`` evenly spaced, first and last included) and each
+    quantized layer's bits at them; layers sent raw at every step are left out."""
+    steps = max((len(v) for v in history.values()), default=0)
+    if steps == 0:
+        return [], {}
+    shown = sorted({round(i * (steps - 1) / max(1, columns - 1)) for i in range(columns)})
+    table = {
+        name: [bits[min(i, len(bits) - 1)] for i in shown]
+        for name, bits in history.items()
+        if any(b < 32 for b in bits)
+    }
+    return shown, table
+
+
+def print_bits_over_steps(results: list[dict[str, Any]], columns: int = 12) -> None:
+    """Per tail row: each quantized layer's bits at evenly spaced steps, and how often they
+    changed (the full series per step is in the JSON, ``tail_bits_history``)."""
+    for r in results:
+        history = r.get("tail_bits_history")
+        if not history:
+            continue
+        shown, table = bits_over_steps(history, columns)
+        print(f"\n[{r['task']} / {r['label']}] bits per layer over steps (32 = raw)")
+        print(f"{'layer':<28} " + " ".join(f"{s:>4}" for s in shown) + f" {'changes':>8}")
+        for name, row in table.items():
+            changes = sum(a != b for a, b in zip(history[name], history[name][1:], strict=False))
+            print(f"{name:<28} " + " ".join(f"{b:>4}" for b in row) + f" {changes:>8}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -449,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)
+    print_bits_over_steps(results)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
