@@ -160,6 +160,7 @@ class RunResult:
     tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
     world_size: int = WORLD_SIZE
     collective: str = "allreduce"  # the collective a payload method ran
+    tail_decision_share: float | None = None  # controller's decision time / compress time (rank 0)
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -172,8 +173,9 @@ def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=task.lr, momentum=0.9)
 
 
-def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
-    """What Tail's controller ended with: bits share, tau and noise per layer (bench-only peek)."""
+def _tail_details(state: Any, bits_elems: Counter, compress_s: float) -> dict[str, Any]:
+    """What Tail's controller ended with: bits share, tau and noise per layer, and the share of
+    the run's compress time it spent deciding (bench-only peek)."""
     total = sum(bits_elems.values()) or 1
     shares = {str(b): round(1000 * n / total) for b, n in sorted(bits_elems.items())}
     out: dict[str, Any] = {"tail_bits": shares}
@@ -183,6 +185,7 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
         names = sorted(tail.controller.plans)
         out["tail_tau"] = {n: round(policy.tau(n, tail.step), 5) for n in names}
         out["tail_noise"] = {n: round(policy.relative_noise(n) or 0.0, 5) for n in names}
+        out["tail_decision_share"] = tail.controller.decision_s / compress_s if compress_s > 0 else 0.0
     return out
 
 
@@ -254,7 +257,7 @@ def _train_one(
     if rank != 0:
         return None
     collective_run = state.collective if isinstance(state, PayloadHookState) else None
-    extra = _tail_details(state, bits_elems) if method == "tail" else {}
+    extra = _tail_details(state, bits_elems, sum(compress_s)) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
         if bits_elems_two:
@@ -387,6 +390,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 if errs:
                     shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)
                     print(f"[{r['label']}] mean estimated relative error, 2nd half: {shown}")
+                if r.get("tail_decision_share") is not None:
+                    print(f"  deciding bits: {100 * r['tail_decision_share']:.2f}% of compress time")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:

@@ -25,6 +25,7 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
         history = row["tail_bits_history"]
         assert history and all(len(bits) == 6 for bits in history.values())
         assert any(b < 32 for bits in history.values() for b in bits)
+        assert 0 < row["tail_decision_share"] < 1
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
     assert "[digits / tail*1] bits per layer over steps" in printed
