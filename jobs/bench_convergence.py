@@ -51,7 +51,7 @@ from tail_ray.compression.tail import TailCompressor
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
 
-SEED = 0
+SEED = 0  # the default data / model seed (--seed)
 WORLD_SIZE = 2  # default; --world-size
 WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
 
@@ -69,11 +69,12 @@ class TaskData(Protocol):
 class RegistryData:
     """A dataset of tail_ray.runner's registry as ``TaskData``."""
 
-    def __init__(self, dataset: str) -> None:
-        self.ds = make_dataset(dataset, seed=SEED)
+    def __init__(self, dataset: str, seed: int = SEED) -> None:
+        self.seed = seed
+        self.ds = make_dataset(dataset, seed=seed)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Any:
-        return self.ds.batch(seed=SEED, step=step, rank=rank, world_size=world_size, batch_size=batch_size)
+        return self.ds.batch(seed=self.seed, step=step, rank=rank, world_size=world_size, batch_size=batch_size)
 
     def loss(self, model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
         x, y = batch
@@ -83,20 +84,20 @@ class RegistryData:
         return evaluate(model, self.ds)
 
 
-def _registry(dataset: str, model: str) -> Callable[[], tuple[nn.Module, TaskData]]:
-    def build() -> tuple[nn.Module, TaskData]:
-        data = RegistryData(dataset)
-        return make_model(model, data.ds, seed=SEED), data
+def _registry(dataset: str, model: str) -> Callable[[int], tuple[nn.Module, TaskData]]:
+    def build(seed: int) -> tuple[nn.Module, TaskData]:
+        data = RegistryData(dataset, seed)
+        return make_model(model, data.ds, seed=seed), data
 
     return build
 
 
-def _example(module_name: str) -> Callable[[], tuple[nn.Module, TaskData]]:
-    def build() -> tuple[nn.Module, TaskData]:
+def _example(module_name: str) -> Callable[[int], tuple[nn.Module, TaskData]]:
+    def build(seed: int) -> tuple[nn.Module, TaskData]:
         import importlib
 
         module = importlib.import_module(f"examples.{module_name}")
-        return module.build_model(SEED), module.Data(SEED)
+        return module.build_model(seed), module.Data(seed)
 
     return build
 
@@ -104,7 +105,7 @@ def _example(module_name: str) -> Callable[[], tuple[nn.Module, TaskData]]:
 @dataclass(frozen=True)
 class Task:
     name: str
-    build: Callable[[], tuple[nn.Module, TaskData]]
+    build: Callable[[int], tuple[nn.Module, TaskData]]  # seed -> model and data
     optimizer: str
     lr: float
     batch_size: int
@@ -160,6 +161,7 @@ class RunResult:
     tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
     world_size: int = WORLD_SIZE
     collective: str = "allreduce"  # the collective a payload method ran
+    seed: int = SEED
     tail_decision_share: float | None = None  # controller's decision time / compress time (rank 0)
 
 
@@ -198,8 +200,9 @@ def _train_one(
     config: Any,
     steps: int,
     collective: str | None,
+    seed: int = SEED,
 ) -> RunResult | None:
-    model, data = task.build()
+    model, data = task.build(seed)
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
     if method_spec(method).exchanges_payloads:
@@ -285,6 +288,7 @@ def _train_one(
         decode_s_per_step=_steady_mean(decode_s),
         world_size=world_size,
         collective=str(collective_run) if collective_run is not None else "allreduce",
+        seed=seed,
         **extra,
     )
 
@@ -295,11 +299,12 @@ def _worker(
     plan: list[tuple[str, str, str, Any, int]],
     out_path: str,
     collective: str | None,
+    seed: int = SEED,
 ) -> None:
     # Same processes for every run: spawning and importing costs seconds on a busy machine.
     results = []
     for task_name, label, method, config, steps in plan:
-        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective)
+        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective, seed)
         if res is not None:
             results.append(asdict(res))
             # Written after every run, so a crash late in the plan keeps what finished.
@@ -315,6 +320,7 @@ def run(
     steps: int | None = None,
     world_size: int = WORLD_SIZE,
     collective: str | None = None,
+    seed: int = SEED,
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
@@ -326,7 +332,7 @@ def run(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_local_group(_worker, world_size, (plan, str(out), collective), timeout_s=timeout_s)
+        run_local_group(_worker, world_size, (plan, str(out), collective, seed), timeout_s=timeout_s)
         return json.loads(out.read_text())
 
 
@@ -346,7 +352,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         collectives = sorted({r.get("collective", "allreduce") for r in rows} - {"allreduce"})
         print(
             f"\n== {task} ({rows[0]['steps']} steps, {rows[0].get('world_size', WORLD_SIZE)} workers, gloo"
-            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''})"
+            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''}"
+            f", seed {rows[0].get('seed', SEED)})"
         )
         print(
             f"{'method':<12} {metric:>12} {'vs none':>9} {'sent/step':>11} {'reduction':>10} {'2nd half':>9} "
@@ -441,6 +448,9 @@ def main(argv: list[str] | None = None) -> None:
         help="comma list of labels or methods",
     )
     parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="data and model seed (Tail's rounding seed is random per run)"
+    )
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(
         "--world-size", type=int, default=WORLD_SIZE, help="worker processes (default %(default)s)"
@@ -479,7 +489,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.world_size < 2:
         parser.error("--world-size must be >= 2")
     results = run(
-        tasks, methods, args.quick, args.timeout_s, variants, args.steps, args.world_size, args.collective
+        tasks,
+        methods,
+        args.quick,
+        args.timeout_s,
+        variants,
+        args.steps,
+        args.world_size,
+        args.collective,
+        args.seed,
     )
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")

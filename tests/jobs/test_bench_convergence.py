@@ -9,11 +9,12 @@ from jobs import bench_convergence
 
 def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--tasks", "digits", "--methods", "none,tail", "--steps", "6", "--timeout-s", "300"]
+    args = ["--tasks", "digits", "--methods", "none,tail", "--steps", "6", "--seed", "3", "--timeout-s", "300"]
     variant = ["--tail-variant", '{"allocation": "model"}']
     bench_convergence.main([*args, *variant, "--json", str(out)])
     rows = json.loads(out.read_text())
     assert [r["label"] for r in rows] == ["none", "tail", "tail*1"]
+    assert {r["seed"] for r in rows} == {3}
     none, tail, model = rows
     assert 0.0 <= none["final"]["val_accuracy"] <= 1.0
     # Tail really compresses; none sends the fp32 gradients (ring model, 2 workers: their size).
