@@ -429,10 +429,11 @@ def print_bits_over_steps(results: list[dict[str, Any]], columns: int = 12) -> N
             continue
         shown, table = bits_over_steps(history, columns)
         print(f"\n[{r['task']} / {r['label']}] bits per layer over steps (32 = raw)")
-        print(f"{'layer':<28} " + " ".join(f"{s:>4}" for s in shown) + f" {'changes':>8}")
+        width = max(len("layer"), *(len(name) for name in table))
+        print(f"{'layer':<{width}} " + " ".join(f"{s:>4}" for s in shown) + f" {'changes':>8}")
         for name, row in table.items():
             changes = sum(a != b for a, b in zip(history[name], history[name][1:], strict=False))
-            print(f"{name:<28} " + " ".join(f"{b:>4}" for b in row) + f" {changes:>8}")
+            print(f"{name:<{width}} " + " ".join(f"{b:>4}" for b in row) + f" {changes:>8}")
 
 
 def main(argv: list[str] | None = None) -> None:

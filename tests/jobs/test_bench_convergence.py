@@ -9,7 +9,18 @@ from jobs import bench_convergence
 
 def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--tasks", "digits", "--methods", "none,tail", "--steps", "6", "--seed", "3", "--timeout-s", "300"]
+    args = [
+        "--tasks",
+        "digits",
+        "--methods",
+        "none,tail",
+        "--steps",
+        "6",
+        "--seed",
+        "3",
+        "--timeout-s",
+        "300",
+    ]
     variant = ["--tail-variant", '{"allocation": "model"}']
     bench_convergence.main([*args, *variant, "--json", str(out)])
     rows = json.loads(out.read_text())
