@@ -59,11 +59,6 @@ class LayerCurve:
     nu: tuple[float, ...]  # nu at candidate_bits[j], candidates ascending
 
 
-def _cost(layer: LayerCurve, nu: float) -> float:
-    """The layer's share of the whole-model error budget at relative error ``nu``."""
-    return layer.numel * nu / layer.tau
-
-
 def allowed(
     layer: LayerCurve, candidate_bits: Sequence[int], *, layer_cap: float, tau_max: float
 ) -> list[int]:
@@ -72,31 +67,6 @@ def allowed(
     cap = min(tau_max, layer_cap * layer.tau)
     last = len(candidate_bits) - 1
     return [j for j in range(last) if layer.nu[j] <= cap] + [last]
-
-
-def _hull(layer: LayerCurve, idx: list[int], candidate_bits: Sequence[int]) -> list[int]:
-    """The lower convex hull of (bits, error cost) over the allowed candidates, from the
-    largest bit-width down (always its first point): the only points a greedy walk by
-    price should stop on; prices (error per bit saved) increase along it."""
-    pts = sorted(idx, key=lambda j: -candidate_bits[j])  # descending bits
-    hull: list[int] = []
-    for j in pts:
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            # Keep b only if stopping there is cheaper per bit than going on to j (this also
-            # drops a b that j dominates: fewer bits at no more error).
-            price_ab = (layer.nu[b] - layer.nu[a]) / (candidate_bits[a] - candidate_bits[b])
-            price_aj = (layer.nu[j] - layer.nu[a]) / (candidate_bits[a] - candidate_bits[j])
-            if price_ab >= price_aj:
-                hull.pop()
-            else:
-                break
-        hull.append(j)
-    return hull
-
-
-def _bytes(layers: Sequence[LayerCurve], choice: dict[str, int]) -> int:
-    return sum(layer.numel * choice[layer.name] for layer in layers)  # in bits; /8 is common
 
 
 def allocate_bits(
@@ -114,42 +84,71 @@ def allocate_bits(
     choice (feasible too) and the one with fewer bytes is returned, so this never sends more
     than the per-layer rule under the same budget. Layers over their own tau even at the
     largest candidate keep it and are left out of the budget (``trade_layers``).
+
+    ``candidate_bits`` ascending (TailConfig sorts them). Plain loops, no sorting per layer:
+    it runs once per step in the controller (~0.1 ms for a dozen layers).
     """
     bits = tuple(candidate_bits)
     top = len(bits) - 1
-    every = sorted(layers, key=lambda c: c.name)
-    # A layer over its own budget even at the largest candidate keeps it (as with the
-    # per-layer rule) and stays out of the trade: its overspend is not charged to the others.
-    pinned = {c.name: bits[top] for c in every if c.nu[top] > c.tau}
-    curves = [c for c in every if c.name not in pinned]
-    if not curves:
-        return pinned
-    budget = float(sum(c.numel for c in curves))
-    current = {c.name: top for c in curves}
-    spent = sum(_cost(c, c.nu[top]) for c in curves)
+    pinned: dict[str, int] = {}
+    budget = spent = 0.0
     segments: list[tuple[float, str, int, int, int]] = []  # (price, name, order, from, to)
-    for c in curves:
-        hull = _hull(c, allowed(c, bits, layer_cap=layer_cap, tau_max=tau_max), bits)
+    weights: dict[str, float] = {}
+    nus: dict[str, tuple[float, ...]] = {}
+    numels: dict[str, int] = {}
+    per_layer_bits = 0
+    per_layer: dict[str, int] = {}
+    for c in sorted(layers, key=lambda c: c.name):
+        nu, tau = c.nu, c.tau
+        if nu[top] > tau:
+            # Over its own budget even at the largest candidate: keeps it (as with the
+            # per-layer rule) and stays out of the trade, its overspend not charged to others.
+            pinned[c.name] = bits[top]
+            continue
+        w = c.numel / tau
+        weights[c.name], nus[c.name], numels[c.name] = w, nu, c.numel
+        budget += c.numel
+        spent += w * nu[top]
+        j = 0
+        while nu[j] > tau:  # the per-layer rule; stops at top at the latest
+            j += 1
+        per_layer[c.name] = bits[j]
+        per_layer_bits += c.numel * bits[j]
+        cap = min(tau_max, layer_cap * tau)
+        hull = [top]  # lower convex hull in (bits, nu), from the largest width down
+        for j in range(top - 1, -1, -1):
+            if nu[j] > cap:
+                continue
+            while len(hull) >= 2:
+                a, b = hull[-2], hull[-1]
+                # Keep b only if stopping there is cheaper per bit than going on to j (this
+                # also drops a b that j dominates: fewer bits at no more error).
+                if (nu[b] - nu[a]) * (bits[a] - bits[j]) >= (nu[j] - nu[a]) * (bits[a] - bits[b]):
+                    hull.pop()
+                else:
+                    break
+            hull.append(j)
         for k in range(len(hull) - 1):
             a, b = hull[k], hull[k + 1]
-            price = (c.nu[b] - c.nu[a]) / c.tau / (bits[a] - bits[b])
-            segments.append((price, c.name, k, a, b))
+            segments.append(((nu[b] - nu[a]) / tau / (bits[a] - bits[b]), c.name, k, a, b))
+    if not weights:
+        return pinned
     segments.sort()
-    by_name = {c.name: c for c in curves}
+    current = dict.fromkeys(weights, top)
     blocked: set[str] = set()
+    limit = budget * (1 + 1e-12)
     for _price, name, _k, a, b in segments:
         if name in blocked or current[name] != a:
             continue
-        c = by_name[name]
-        extra = _cost(c, c.nu[b]) - _cost(c, c.nu[a])
-        if spent + extra <= budget * (1 + 1e-12):
+        extra = weights[name] * (nus[name][b] - nus[name][a])
+        if spent + extra <= limit:
             spent += extra
             current[name] = b
         else:
             blocked.add(name)  # its later segments are pricier and come after this one
     greedy = {name: bits[j] for name, j in current.items()}
-    per_layer = {c.name: pick_bits(np.asarray(c.nu), bits, c.tau) for c in curves}
-    best = per_layer if _bytes(curves, per_layer) < _bytes(curves, greedy) else greedy
+    greedy_bits = sum(numels[name] * b for name, b in greedy.items())
+    best = per_layer if per_layer_bits < greedy_bits else greedy
     return {**best, **pinned}
 
 
@@ -163,5 +162,6 @@ def budget_used(layers: Iterable[LayerCurve], choice: dict[str, int], candidate_
     """The share of the whole-model budget a choice spends (<= 1 within budget)."""
     curves = list(layers)
     total = sum(c.numel for c in curves)
-    spent = sum(_cost(c, c.nu[list(candidate_bits).index(choice[c.name])]) for c in curves)
+    index = {b: j for j, b in enumerate(candidate_bits)}
+    spent = sum(c.numel * c.nu[index[choice[c.name]]] / c.tau for c in curves)
     return spent / total if total else 0.0
