@@ -74,7 +74,9 @@ class RegistryData:
         self.ds = make_dataset(dataset, seed=seed)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Any:
-        return self.ds.batch(seed=self.seed, step=step, rank=rank, world_size=world_size, batch_size=batch_size)
+        return self.ds.batch(
+            seed=self.seed, step=step, rank=rank, world_size=world_size, batch_size=batch_size
+        )
 
     def loss(self, model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
         x, y = batch
