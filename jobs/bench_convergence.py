@@ -51,7 +51,7 @@ from tail_ray.compression.tail import TailCompressor
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
 
-SEED = 0
+SEED = 0  # the default data / model seed (--seed)
 WORLD_SIZE = 2  # default; --world-size
 WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
 
@@ -69,11 +69,14 @@ class TaskData(Protocol):
 class RegistryData:
     """A dataset of tail_ray.runner's registry as ``TaskData``."""
 
-    def __init__(self, dataset: str) -> None:
-        self.ds = make_dataset(dataset, seed=SEED)
+    def __init__(self, dataset: str, seed: int = SEED) -> None:
+        self.seed = seed
+        self.ds = make_dataset(dataset, seed=seed)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Any:
-        return self.ds.batch(seed=SEED, step=step, rank=rank, world_size=world_size, batch_size=batch_size)
+        return self.ds.batch(
+            seed=self.seed, step=step, rank=rank, world_size=world_size, batch_size=batch_size
+        )
 
     def loss(self, model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
         x, y = batch
@@ -83,20 +86,20 @@ class RegistryData:
         return evaluate(model, self.ds)
 
 
-def _registry(dataset: str, model: str) -> Callable[[], tuple[nn.Module, TaskData]]:
-    def build() -> tuple[nn.Module, TaskData]:
-        data = RegistryData(dataset)
-        return make_model(model, data.ds, seed=SEED), data
+def _registry(dataset: str, model: str) -> Callable[[int], tuple[nn.Module, TaskData]]:
+    def build(seed: int) -> tuple[nn.Module, TaskData]:
+        data = RegistryData(dataset, seed)
+        return make_model(model, data.ds, seed=seed), data
 
     return build
 
 
-def _example(module_name: str) -> Callable[[], tuple[nn.Module, TaskData]]:
-    def build() -> tuple[nn.Module, TaskData]:
+def _example(module_name: str) -> Callable[[int], tuple[nn.Module, TaskData]]:
+    def build(seed: int) -> tuple[nn.Module, TaskData]:
         import importlib
 
         module = importlib.import_module(f"examples.{module_name}")
-        return module.build_model(SEED), module.Data(SEED)
+        return module.build_model(seed), module.Data(seed)
 
     return build
 
@@ -104,7 +107,7 @@ def _example(module_name: str) -> Callable[[], tuple[nn.Module, TaskData]]:
 @dataclass(frozen=True)
 class Task:
     name: str
-    build: Callable[[], tuple[nn.Module, TaskData]]
+    build: Callable[[int], tuple[nn.Module, TaskData]]  # seed -> model and data
     optimizer: str
     lr: float
     batch_size: int
@@ -160,6 +163,8 @@ class RunResult:
     tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
     world_size: int = WORLD_SIZE
     collective: str = "allreduce"  # the collective a payload method ran
+    seed: int = SEED
+    tail_decision_share: float | None = None  # controller's decision time / compress time (rank 0)
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -172,8 +177,9 @@ def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=task.lr, momentum=0.9)
 
 
-def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
-    """What Tail's controller ended with: bits share, tau and noise per layer (bench-only peek)."""
+def _tail_details(state: Any, bits_elems: Counter, compress_s: float) -> dict[str, Any]:
+    """What Tail's controller ended with: bits share, tau and noise per layer, and the share of
+    the run's compress time it spent deciding (bench-only peek)."""
     total = sum(bits_elems.values()) or 1
     shares = {str(b): round(1000 * n / total) for b, n in sorted(bits_elems.items())}
     out: dict[str, Any] = {"tail_bits": shares}
@@ -183,6 +189,7 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
         names = sorted(tail.controller.plans)
         out["tail_tau"] = {n: round(policy.tau(n, tail.step), 5) for n in names}
         out["tail_noise"] = {n: round(policy.relative_noise(n) or 0.0, 5) for n in names}
+        out["tail_decision_share"] = tail.controller.decision_s / compress_s if compress_s > 0 else 0.0
     return out
 
 
@@ -195,8 +202,9 @@ def _train_one(
     config: Any,
     steps: int,
     collective: str | None,
+    seed: int = SEED,
 ) -> RunResult | None:
-    model, data = task.build()
+    model, data = task.build(seed)
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
     if method_spec(method).exchanges_payloads:
@@ -254,7 +262,7 @@ def _train_one(
     if rank != 0:
         return None
     collective_run = state.collective if isinstance(state, PayloadHookState) else None
-    extra = _tail_details(state, bits_elems) if method == "tail" else {}
+    extra = _tail_details(state, bits_elems, sum(compress_s)) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
         if bits_elems_two:
@@ -282,6 +290,7 @@ def _train_one(
         decode_s_per_step=_steady_mean(decode_s),
         world_size=world_size,
         collective=str(collective_run) if collective_run is not None else "allreduce",
+        seed=seed,
         **extra,
     )
 
@@ -292,11 +301,12 @@ def _worker(
     plan: list[tuple[str, str, str, Any, int]],
     out_path: str,
     collective: str | None,
+    seed: int = SEED,
 ) -> None:
     # Same processes for every run: spawning and importing costs seconds on a busy machine.
     results = []
     for task_name, label, method, config, steps in plan:
-        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective)
+        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective, seed)
         if res is not None:
             results.append(asdict(res))
             # Written after every run, so a crash late in the plan keeps what finished.
@@ -312,6 +322,7 @@ def run(
     steps: int | None = None,
     world_size: int = WORLD_SIZE,
     collective: str | None = None,
+    seed: int = SEED,
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
@@ -323,7 +334,7 @@ def run(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_local_group(_worker, world_size, (plan, str(out), collective), timeout_s=timeout_s)
+        run_local_group(_worker, world_size, (plan, str(out), collective, seed), timeout_s=timeout_s)
         return json.loads(out.read_text())
 
 
@@ -343,7 +354,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         collectives = sorted({r.get("collective", "allreduce") for r in rows} - {"allreduce"})
         print(
             f"\n== {task} ({rows[0]['steps']} steps, {rows[0].get('world_size', WORLD_SIZE)} workers, gloo"
-            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''})"
+            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''}"
+            f", seed {rows[0].get('seed', SEED)})"
         )
         print(
             f"{'method':<12} {metric:>12} {'vs none':>9} {'sent/step':>11} {'reduction':>10} {'2nd half':>9} "
@@ -387,10 +399,43 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 if errs:
                     shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)
                     print(f"[{r['label']}] mean estimated relative error, 2nd half: {shown}")
+                if r.get("tail_decision_share") is not None:
+                    print(f"  deciding bits: {100 * r['tail_decision_share']:.2f}% of compress time")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:
                     print(f"  {name:<40} tau {taus[name]:.4f}  noise {noise.get(name, 0.0):.4f}")
+
+
+def bits_over_steps(history: dict[str, list[int]], columns: int) -> tuple[list[int], dict[str, list[int]]]:
+    """The steps to show (``columns`` evenly spaced, first and last included) and each
+    quantized layer's bits at them; layers sent raw at every step are left out."""
+    steps = max((len(v) for v in history.values()), default=0)
+    if steps == 0:
+        return [], {}
+    shown = sorted({round(i * (steps - 1) / max(1, columns - 1)) for i in range(columns)})
+    table = {
+        name: [bits[min(i, len(bits) - 1)] for i in shown]
+        for name, bits in history.items()
+        if any(b < 32 for b in bits)
+    }
+    return shown, table
+
+
+def print_bits_over_steps(results: list[dict[str, Any]], columns: int = 12) -> None:
+    """Per tail row: each quantized layer's bits at evenly spaced steps, and how often they
+    changed (the full series per step is in the JSON, ``tail_bits_history``)."""
+    for r in results:
+        history = r.get("tail_bits_history")
+        if not history:
+            continue
+        shown, table = bits_over_steps(history, columns)
+        print(f"\n[{r['task']} / {r['label']}] bits per layer over steps (32 = raw)")
+        width = max(len("layer"), *(len(name) for name in table))
+        print(f"{'layer':<{width}} " + " ".join(f"{s:>4}" for s in shown) + f" {'changes':>8}")
+        for name, row in table.items():
+            changes = sum(a != b for a, b in zip(history[name], history[name][1:], strict=False))
+            print(f"{name:<{width}} " + " ".join(f"{b:>4}" for b in row) + f" {changes:>8}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -406,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
         help="comma list of labels or methods",
     )
     parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="data and model seed (Tail's rounding seed is random per run)"
+    )
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(
         "--world-size", type=int, default=WORLD_SIZE, help="worker processes (default %(default)s)"
@@ -444,11 +492,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.world_size < 2:
         parser.error("--world-size must be >= 2")
     results = run(
-        tasks, methods, args.quick, args.timeout_s, variants, args.steps, args.world_size, args.collective
+        tasks,
+        methods,
+        args.quick,
+        args.timeout_s,
+        variants,
+        args.steps,
+        args.world_size,
+        args.collective,
+        args.seed,
     )
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)
+    print_bits_over_steps(results)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

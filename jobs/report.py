@@ -88,24 +88,34 @@ def plot_traffic_vs_accuracy(rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def plot_bits_per_layer(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """One heat map per tail row: quantized layers down, steps across, colour = bits chosen
+    (overlapping step lines of a dozen layers could not be told apart)."""
     import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import BoundaryNorm, ListedColormap
 
     tails = [r for r in rows if r["method"] == "tail" and r.get("tail_bits_history")]
     if not tails:
         return None
-    fig, axes = plt.subplots(1, len(tails), figsize=(6 * len(tails), 4.5), squeeze=False)
-    for ax, r in zip(axes[0], tails, strict=True):
-        for layer, bits in r["tail_bits_history"].items():
-            if max(bits) < 32:  # raw layers (32 bits throughout) would flatten the plot
-                ax.step(range(len(bits)), bits, where="post", label=layer, alpha=0.8)
+    widths = (2, 3, 4, 5, 6, 7, 8)
+    cmap = ListedColormap(plt.get_cmap("viridis")(np.linspace(0, 1, len(widths))))
+    norm = BoundaryNorm([b - 0.5 for b in widths] + [widths[-1] + 0.5], cmap.N)
+    fig, axes = plt.subplots(len(tails), 1, figsize=(10, 1.2 + 2.6 * len(tails)), squeeze=False)
+    for ax, r in zip(axes[:, 0], tails, strict=True):
+        # Raw layers (32 bits throughout) are not the controller's choice: left out.
+        layers = {k: v for k, v in r["tail_bits_history"].items() if min(v) < 32}
+        steps = max(len(v) for v in layers.values())
+        grid = np.full((len(layers), steps), np.nan)
+        for i, bits in enumerate(layers.values()):
+            grid[i, : len(bits)] = [b if b < 32 else np.nan for b in bits]
+        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+        ax.set_yticks(range(len(layers)), list(layers), fontsize=6)
         ax.set_xlabel("step")
-        ax.set_ylabel("bits chosen by the controller")
-        ax.set_title(f"{r['task']} ({r['label']}): per-layer bits over training")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        ax.set_title(f"{r['task']} ({r['label']}): bits per layer over training", fontsize=9)
+        fig.colorbar(im, ax=ax, ticks=widths, label="bits")
     fig.tight_layout()
     path = out / "bits_per_layer.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long layer names on the y axis
     plt.close(fig)
     return path
 

@@ -6,6 +6,11 @@ picks the smallest b with nu_b <= tau (the largest candidate when none fits: acc
 A decision is reused for ``redecide_every_steps`` steps, unless tau moved by more than
 ``_TAU_MOVE`` x or the layer's (smoothed) gradient norm drifted past ``norm_drift`` since the
 decision, or the compressor invalidated it (runaway residual).
+
+With ``allocation="model"`` the estimates are kept, and the bits come from one whole-model
+allocation over every layer's latest estimate (``allocate.allocate_bits``) instead of each
+layer's own tau: an estimate is still refreshed by the rules above, and the allocation is
+recomputed (0.1-0.4 ms in Python) at most once per step after one was.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from tail_ray.bitwidth.allocate import LayerCurve, allocate_bits, pick_bits
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.device import LayerArray
@@ -25,14 +31,7 @@ from tail_ray.compression.feedback import Residual
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
 
-
-def pick_bits(nu_by_bits: np.ndarray, candidate_bits: tuple[int, ...], tau: float) -> int:
-    """The smallest candidate b with estimated error nu_b <= tau, else the largest candidate."""
-    order = sorted(range(len(candidate_bits)), key=lambda j: candidate_bits[j])
-    for j in order:
-        if nu_by_bits[j] <= tau:
-            return candidate_bits[j]
-    return candidate_bits[order[-1]]
+__all__ = ["ALLOCATIONS", "BitController", "LayerPlan", "pick_bits"]
 
 
 @dataclass
@@ -42,6 +41,9 @@ class LayerPlan:
     tau: float
     decided_step: int
     norm: float  # smoothed gradient norm at the decision
+
+
+ALLOCATIONS = ("layer", "model")
 
 
 class BitController:
@@ -55,8 +57,16 @@ class BitController:
         redecide_every_steps: int,
         norm_drift: float,
         seed: int,
+        allocation: str = "layer",
+        layer_cap: float = 2.0,
+        tau_max: float = 0.5,
     ) -> None:
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         self.policy = policy
+        self.allocation = allocation
+        self.layer_cap = layer_cap
+        self.tau_max = tau_max
         self.candidate_bits = tuple(candidate_bits)
         self.bucket_size = bucket_size
         self.sample_numel = sample_numel
@@ -66,6 +76,12 @@ class BitController:
         self.plans: dict[str, LayerPlan] = {}
         self.decision_s = 0.0  # wall time spent deciding, for the cost share the benchmark reports
         self.decisions = 0
+        # allocation="model": every layer's latest estimate, and the allocation over them
+        # (None: stale, recomputed at the next plan call).
+        self.curves: dict[str, LayerCurve] = {}
+        self._allocated: dict[str, int] = {}
+        self._allocated_step = -1
+        self._dirty = False  # a curve changed since the allocation was made
 
     def _stale(self, name: str, plan: LayerPlan, step: int, norm: float, tau: float) -> bool:
         if step - plan.decided_step >= self.redecide_every_steps:
@@ -85,29 +101,64 @@ class BitController:
         norm = smooth if smooth is not None else norm
         tau = self.policy.tau(name, step)
         plan = self.plans.get(name)
-        if plan is not None and not self._stale(name, plan, step, norm, tau):
-            return plan
-        t0 = time.perf_counter()
-        # With one candidate (pinned) there is nothing to choose, but the estimate still feeds the stats.
-        nu = relative_errors(
-            g, residual, self.bucket_size, self.candidate_bits, sample_numel=self.sample_numel, rng=self._rng
-        )
-        bits = pick_bits(nu, self.candidate_bits, tau)
-        rel = float(nu[self.candidate_bits.index(bits)])
-        plan = LayerPlan(bits=bits, rel_error=rel, tau=tau, decided_step=step, norm=norm)
-        self.plans[name] = plan
-        self.decision_s += time.perf_counter() - t0
-        self.decisions += 1
+        if plan is None or self._stale(name, plan, step, norm, tau):
+            t0 = time.perf_counter()
+            # With one candidate (pinned) there is nothing to choose, but the estimate still feeds the stats.
+            nu = relative_errors(
+                g,
+                residual,
+                self.bucket_size,
+                self.candidate_bits,
+                sample_numel=self.sample_numel,
+                rng=self._rng,
+            )
+            bits = pick_bits(nu, self.candidate_bits, tau)
+            rel = float(nu[self.candidate_bits.index(bits)])
+            plan = LayerPlan(bits=bits, rel_error=rel, tau=tau, decided_step=step, norm=norm)
+            self.plans[name] = plan
+            if self.allocation == "model":
+                self.curves[name] = LayerCurve(name, g.size, tau, tuple(float(v) for v in nu))
+                self._dirty = True
+            self.decision_s += time.perf_counter() - t0
+            self.decisions += 1
+        if self.allocation == "model":
+            plan = self._allocated_plan(name, plan, step)
+        return plan
+
+    def _allocated_plan(self, name: str, plan: LayerPlan, step: int) -> LayerPlan:
+        """The layer's plan with the bits of the current whole-model allocation (another
+        layer's new estimate may have moved them since this layer's own decision).
+
+        Re-allocated at most once per step (a step's re-estimates of other layers count from
+        the next step; it costs ~0.1-0.4 ms in Python), but at once for a layer the current
+        allocation does not cover (first seen, or invalidated by the runaway guard)."""
+        if self._dirty and (step != self._allocated_step or name not in self._allocated):
+            t0 = time.perf_counter()
+            self._allocated = allocate_bits(
+                self.curves.values(), self.candidate_bits, layer_cap=self.layer_cap, tau_max=self.tau_max
+            )
+            self._allocated_step = step
+            self._dirty = False
+            self.decision_s += time.perf_counter() - t0
+        bits = self._allocated.get(name, plan.bits)
+        if bits != plan.bits:
+            plan = replace(plan, bits=bits, rel_error=self.curves[name].nu[self.candidate_bits.index(bits)])
+            self.plans[name] = plan
         return plan
 
     def invalidate(self, name: str) -> None:
         """Forget the layer's plan: the next ``plan`` call decides afresh."""
         self.plans.pop(name, None)
+        # Its allocated bits may be what ran away: not used again until re-allocated.
+        self._allocated.pop(name, None)
+        if self.curves.pop(name, None) is not None:
+            self._dirty = True
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "plans": {name: asdict(p) for name, p in self.plans.items()},
             "policy": self.policy.state_dict(),
+            "curves": {name: asdict(c) for name, c in self.curves.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -123,3 +174,13 @@ class BitController:
             if int(p["bits"]) in self.candidate_bits
         }
         self.policy.load_state_dict(state["policy"])
+        # Older checkpoints have no curves: the allocation then starts from the layers as
+        # they re-decide.
+        self.curves = {
+            str(name): LayerCurve(
+                str(name), int(c["numel"]), float(c["tau"]), tuple(float(v) for v in c["nu"])
+            )
+            for name, c in dict(state.get("curves", {})).items()
+            if len(c["nu"]) == len(self.candidate_bits)
+        }
+        self._allocated, self._allocated_step, self._dirty = {}, -1, bool(self.curves)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.plan import BitController
+from tail_ray.bitwidth.plan import ALLOCATIONS, BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
@@ -68,6 +68,10 @@ class TailConfig:
     tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
     warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical
         phases in which tau is multiplied by ``critical_factor`` (see bitwidth/policy.py).
+    allocation: "layer" (each layer the smallest b with nu_b <= its tau) or "model" (one
+        budget over the whole model: the numel-weighted mean of nu / tau stays <= 1 at the
+        fewest bytes; see bitwidth/allocate.py).
+    layer_cap: with allocation "model", no layer's nu may exceed layer_cap x its own tau.
     error_feedback: keep per-layer residuals (off only for ablations).
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
@@ -88,6 +92,8 @@ class TailConfig:
     critical_steps: int = 50
     lr_drop_ratio: float = 0.8
     norm_jump: float = 2.0
+    allocation: str = "layer"
+    layer_cap: float = 2.0
     error_feedback: bool = True
     seed: int | None = field(default=None)
 
@@ -124,6 +130,12 @@ class TailConfig:
             raise ConfigError(f"lr_drop_ratio must be in (0, 1), got {self.lr_drop_ratio}")
         if self.norm_jump <= 1:
             raise ConfigError(f"norm_jump must be > 1, got {self.norm_jump}")
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
+        if not (
+            isinstance(self.layer_cap, int | float) and math.isfinite(self.layer_cap) and self.layer_cap >= 1
+        ):
+            raise ConfigError(f"layer_cap must be a finite number >= 1, got {self.layer_cap!r}")
         if self.warmup_steps < 0 or self.critical_steps < 0:
             raise ConfigError("warmup_steps and critical_steps must be >= 0")
 
@@ -159,6 +171,9 @@ class TailCompressor(RecordCompressor):
             redecide_every_steps=self.config.redecide_every_steps,
             norm_drift=self.config.norm_drift,
             seed=self._seed,
+            allocation=self.config.allocation,
+            layer_cap=self.config.layer_cap,
+            tau_max=self.config.tau_max,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the

@@ -163,7 +163,26 @@ def test_config_validation_says_what_to_fix():
         TailConfig(tau_min=1.0, tau_max=0.1)
     with pytest.raises(ConfigError, match="bad settings"):
         make_compressor("tail", no_such_field=1)
+    with pytest.raises(ConfigError, match="allocation must be one of"):
+        TailConfig(allocation="global")
+    with pytest.raises(ConfigError, match="layer_cap"):
+        TailConfig(layer_cap=0.5)
     assert TailConfig(candidate_bits=(8, 2)).candidate_bits == (2, 8)
+
+
+def test_model_allocation_round_trips_and_restores_its_curves():
+    """allocation="model" through the real compressor: payloads decode, bits are candidates,
+    and a checkpoint carries the per-layer error curves the allocation needs."""
+    comp = TailCompressor(TailConfig(seed=5, allocation="model"))
+    for step in range(3):
+        grads = _grads(step)
+        out = TailCompressor().decompress(comp.compress(grads))
+        assert set(out) == set(grads)
+        assert all(s.bits in comp.config.candidate_bits for s in comp.last_stats if s.bits < 32)
+    assert set(comp.controller.curves) == {"fc1.weight", "conv.weight"}
+    restored = TailCompressor(TailConfig(seed=5, allocation="model"))
+    restored.load_state_dict(comp.state_dict())
+    assert restored.controller.curves == comp.controller.curves
 
 
 def test_levels_are_within_bits():

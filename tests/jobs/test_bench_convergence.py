@@ -9,18 +9,46 @@ from jobs import bench_convergence
 
 def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--tasks", "digits", "--methods", "none,tail", "--steps", "6", "--timeout-s", "300"]
-    bench_convergence.main([*args, "--json", str(out)])
+    args = [
+        "--tasks",
+        "digits",
+        "--methods",
+        "none,tail",
+        "--steps",
+        "6",
+        "--seed",
+        "3",
+        "--timeout-s",
+        "300",
+    ]
+    variant = ["--tail-variant", '{"allocation": "model"}']
+    bench_convergence.main([*args, *variant, "--json", str(out)])
     rows = json.loads(out.read_text())
-    assert [r["label"] for r in rows] == ["none", "tail"]
-    none, tail = rows
+    assert [r["label"] for r in rows] == ["none", "tail", "tail*1"]
+    assert {r["seed"] for r in rows} == {3}
+    none, tail, model = rows
     assert 0.0 <= none["final"]["val_accuracy"] <= 1.0
     # Tail really compresses; none sends the fp32 gradients (ring model, 2 workers: their size).
     assert none["bytes_sent_per_step"] == none["raw_bytes_per_step"]
     assert 0 < tail["bytes_sent_per_step"] < none["bytes_sent_per_step"]
     assert tail["tail_bits"] is not None
+    # Both tail rows record every quantized layer's bits at every step.
+    for row in (tail, model):
+        history = row["tail_bits_history"]
+        assert history and all(len(bits) == 6 for bits in history.values())
+        assert any(b < 32 for bits in history.values() for b in bits)
+        assert 0 < row["tail_decision_share"] < 1
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
+    assert "[digits / tail*1] bits per layer over steps" in printed
+
+
+def test_bits_over_steps_samples_evenly_and_drops_raw_layers():
+    history = {"conv.weight": [8, 8, 4, 4, 4, 3, 3, 3, 4, 4], "conv.bias": [32] * 10}
+    shown, table = bench_convergence.bits_over_steps(history, columns=4)
+    assert shown == [0, 3, 6, 9]
+    assert table == {"conv.weight": [8, 4, 3, 4]}
+    assert bench_convergence.bits_over_steps({}, columns=4) == ([], {})
 
 
 def test_bench_convergence_runs_more_workers_through_the_sharded_collective(tmp_path, capsys):
