@@ -69,6 +69,26 @@ def allowed(
     return [j for j in range(last) if layer.nu[j] <= cap] + [last]
 
 
+def _lower_hull(nu: Sequence[float], bits: Sequence[int], *, cap: float) -> list[int]:
+    """Candidate indices on the lower convex hull in (bits, nu), from the largest width down,
+    skipping candidates whose error is over ``cap``."""
+    top = len(bits) - 1
+    hull = [top]
+    for j in range(top - 1, -1, -1):
+        if nu[j] > cap:
+            continue
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # Keep b only if stopping there is cheaper per bit than going on to j (this
+            # also drops a b that j dominates: fewer bits at no more error).
+            if (nu[b] - nu[a]) * (bits[a] - bits[j]) >= (nu[j] - nu[a]) * (bits[a] - bits[b]):
+                hull.pop()
+            else:
+                break
+        hull.append(j)
+    return hull
+
+
 def allocate_bits(
     layers: Iterable[LayerCurve],
     candidate_bits: Sequence[int],
@@ -114,20 +134,7 @@ def allocate_bits(
             j += 1
         per_layer[c.name] = bits[j]
         per_layer_bits += c.numel * bits[j]
-        cap = min(tau_max, layer_cap * tau)
-        hull = [top]  # lower convex hull in (bits, nu), from the largest width down
-        for j in range(top - 1, -1, -1):
-            if nu[j] > cap:
-                continue
-            while len(hull) >= 2:
-                a, b = hull[-2], hull[-1]
-                # Keep b only if stopping there is cheaper per bit than going on to j (this
-                # also drops a b that j dominates: fewer bits at no more error).
-                if (nu[b] - nu[a]) * (bits[a] - bits[j]) >= (nu[j] - nu[a]) * (bits[a] - bits[b]):
-                    hull.pop()
-                else:
-                    break
-            hull.append(j)
+        hull = _lower_hull(nu, bits, cap=min(tau_max, layer_cap * tau))
         for k in range(len(hull) - 1):
             a, b = hull[k], hull[k + 1]
             segments.append(((nu[b] - nu[a]) / tau / (bits[a] - bits[b]), c.name, k, a, b))
