@@ -8,6 +8,12 @@ Two duties, one loop (``run_forever``), each step a plain blocking method the te
   ``ingest_batch_records`` and persist each page with its new cursor in one transaction
   (``Storage.ingest``). A restart resumes from the stored cursor: nothing lost, nothing
   doubled, and whatever the sink buffered while we were down is read now.
+- ``retain``: every ``retention_interval_s``, thin old records per job (``Storage.apply_retention``).
+
+Only one ingester works on a database at a time: each pass first takes (or confirms) the
+storage's leader lease (SQLite: a file lock; PostgreSQL: an advisory lock), so several
+replicas on one PostgreSQL serve reads while exactly one of them ingests; when it dies its
+lock is freed and the next pass of another replica takes over from the stored cursors.
 
 A job is drained when Ray says it ended more than ``drain_grace_s`` ago (late fire-and-forget
 pushes have landed) and a read found nothing new; then its sink is closed to free the actor.
@@ -34,7 +40,17 @@ class Ingester:
         self.storage = storage
         self.ray = ray_gateway
         self.last_error: str | None = None
+        self.lease = storage.leader_lease()
         self._last_sync = 0.0
+        self._last_retention = 0.0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.held
+
+    def close(self) -> None:
+        """Give up the leader lease (another replica's next pass takes over)."""
+        self.lease.release()
 
     # ------------------------------------------------------------ job table
     def sync_jobs(self) -> int:
@@ -107,8 +123,24 @@ class Ingester:
             logger.info("job %s: metrics drained", job_id)
         return stored
 
+    def retain(self) -> int:
+        """Thin every job's old records to the retention policy; returns records deleted."""
+        policy = self.settings.retention
+        deleted = 0
+        for job_id in self.storage.job_ids():
+            while True:  # each call thins a bounded window of steps
+                n = self.storage.apply_retention(job_id, policy)
+                deleted += n
+                if n == 0:
+                    break
+        if deleted:
+            logger.info("retention: thinned %d old metric records", deleted)
+        return deleted
+
     # ------------------------------------------------------------ loop
     def run_once(self) -> int:
+        if not self.lease.try_acquire():
+            return 0  # another process or replica is the ingester; this one serves reads
         now = time.monotonic()
         try:
             if now - self._last_sync >= self.settings.sync_interval_s:
@@ -119,13 +151,20 @@ class Ingester:
             self.last_error = str(exc)
             return 0
         self.last_error = None
+        if now - self._last_retention >= self.settings.retention_interval_s:
+            self._last_retention = now
+            self.retain()
         return stored
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await asyncio.to_thread(self.run_once)
-            except Exception:  # keep ingesting whatever one bad pass did
-                logger.exception("ingest pass failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.ingest_interval_s)
+        # Every pass runs in a worker thread: the event loop only waits for it.
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.to_thread(self.run_once)
+                except Exception:  # keep ingesting whatever one bad pass did
+                    logger.exception("ingest pass failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.settings.ingest_interval_s)
+        finally:
+            self.close()

@@ -15,11 +15,12 @@ from fastapi.staticfiles import StaticFiles
 from service.errors import install_error_handlers
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
+from service.live import LiveMetrics
 from service.ray_client import RayGateway
 from service.read_cache import ReadCache
 from service.routers import health, jobs, metrics
 from service.settings import Settings
-from service.storage import Storage
+from service.storage import open_storage
 
 logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
@@ -30,18 +31,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.storage = Storage(settings.db_path)
+        # Opening migrates: blocking work, so off the event loop.
+        app.state.storage = storage = await asyncio.to_thread(open_storage, settings.storage_url)
+        logger.info("storage: %s", storage.describe())
         app.state.read_cache = ReadCache()  # results keyed by each job's ingest state
         app.state.ray = RayGateway(settings)
-        app.state.ingester = Ingester(settings, app.state.storage, app.state.ray)
+        app.state.ingester = Ingester(settings, storage, app.state.ray)
+        app.state.live = LiveMetrics(storage, app.state.read_cache, settings)
         stop = asyncio.Event()
         task = asyncio.create_task(app.state.ingester.run_forever(stop)) if settings.ingest_enabled else None
         try:
             yield
         finally:
             stop.set()
+            await app.state.live.close()
             if task is not None:
                 await task
+            app.state.ingester.close()
+            await asyncio.to_thread(storage.close)
 
     app = FastAPI(
         title="tail-ray",

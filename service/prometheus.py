@@ -30,10 +30,21 @@ class _Writer:
             self.lines.append(f"{name} {float(value)!r}")
 
 
-def render_prometheus(storage: Storage, settings: Settings, ingest_ok: bool) -> str:
+def render_prometheus(storage: Storage, settings: Settings, ingest_ok: bool, leader: bool = True) -> str:
     w = _Writer()
     w.family("tail_ray_ingest_up", "gauge", "1 when the last ingest pass reached Ray.")
     w.sample("tail_ray_ingest_up", 1.0 if ingest_ok else 0.0)
+    w.family("tail_ray_ingest_leader", "gauge", "1 on the replica that holds the ingester lease.")
+    w.sample("tail_ray_ingest_leader", 1.0 if leader else 0.0)
+
+    size = storage.size()
+    w.family("tail_ray_storage_records", "gauge", "Metric records kept in the database, by kind.")
+    w.sample("tail_ray_storage_records", size.layer_records, kind="layer")
+    w.sample("tail_ray_storage_records", size.step_records, kind="step")
+    w.family("tail_ray_storage_pruned_records_total", "counter", "Metric records thinned out by retention.")
+    w.sample("tail_ray_storage_pruned_records_total", size.pruned_records)
+    w.family("tail_ray_storage_bytes", "gauge", f"Database size ({storage.backend}), bytes.")
+    w.sample("tail_ray_storage_bytes", size.database_bytes)
 
     w.family("tail_ray_jobs", "gauge", "Jobs known to the service, by status.")
     for status, count in sorted(storage.status_counts().items()):

@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.storage import RetentionPolicy, parse_storage_url
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOME = Path.home() / ".tail_ray"
 
@@ -27,7 +29,23 @@ class Settings(BaseSettings):
     read_requires_token: bool = Field(False, description="Guard GET routes with the token too.")
 
     # --- storage ---
-    db_path: Path = DEFAULT_HOME / "service.sqlite"
+    db_path: Path = Field(
+        DEFAULT_HOME / "service.sqlite", description="The SQLite file, when database_url is not set."
+    )
+    database_url: str | None = Field(
+        None,
+        description="Where jobs and metrics live: sqlite:///absolute/path.sqlite (embedded, one "
+        "replica) or postgresql://user:password@host:port/database (several replicas, one of "
+        "them ingesting). Unset: the SQLite file at db_path.",
+    )
+    retention_full_steps: int | None = Field(
+        10_000,
+        ge=1,
+        description="Per job, keep every step's metric records for the newest this many steps; "
+        "older steps keep every retention_every_k_steps-th step only. None keeps everything.",
+    )
+    retention_every_k_steps: int = Field(10, ge=1, le=1_000_000)
+    retention_interval_s: float = Field(60.0, gt=0, le=86_400, description="How often retention runs.")
 
     # --- Ray ---
     ray_address: str = Field("auto", description="GCS address the service's driver connects to.")
@@ -45,7 +63,9 @@ class Settings(BaseSettings):
     # --- background work ---
     ingest_enabled: bool = True
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
-    ingest_batch_records: int = Field(5_000, ge=1, le=100_000)
+    ingest_batch_records: int = Field(
+        20_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
+    )
     sync_interval_s: float = Field(3.0, gt=0, le=300)
     drain_grace_s: float = Field(5.0, ge=0, le=600)
     close_drained_sinks: bool = True
@@ -65,10 +85,27 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if value in ("", "none", "None") else value
 
+    @field_validator("database_url")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        parse_storage_url(value)  # ValueError naming the accepted schemes
+        return value
+
     @field_validator("db_path", "ray_auth_token_path", "job_working_dir")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+    @property
+    def storage_url(self) -> str:
+        """The database the service opens: database_url, else the SQLite file at db_path."""
+        return self.database_url or f"sqlite://{self.db_path}"
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(self.retention_full_steps, self.retention_every_k_steps)
 
     def ray_token(self) -> str | None:
         """The Ray cluster's token: from settings, else from Ray's token file, else None."""

@@ -12,7 +12,7 @@ from playwright.sync_api import Page
 from service_support import LAYERS, LiveServer, chromium_page, make_settings, ray_cluster, step_records
 
 from service.ray_head import LocalRayHead
-from service.storage import Storage
+from service.storage import open_storage
 from tail_ray.metrics.sink import get_or_create_sink
 
 pytestmark = [pytest.mark.ray, pytest.mark.browser]
@@ -44,14 +44,15 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
     db = tmp_path / "db.sqlite"
     job_id = "browser-job"
     spec = {"method": "tail", "model": "digits_cnn", "dataset": "digits"}
-    Storage(db).insert_job(
-        job_id=job_id,
-        name="live-digits",
-        source="api",
-        status="RUNNING",
-        entrypoint="python -m jobs.train",
-        spec=spec,
-    )
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id=job_id,
+            name="live-digits",
+            source="api",
+            status="RUNNING",
+            entrypoint="python -m jobs.train",
+            spec=spec,
+        )
     _push(job_id, range(3), ratio_scale=1.0)
     with LiveServer(make_settings(db, head)) as server:
         page.goto(f"{server.url}/?poll_ms=300#job={job_id}")

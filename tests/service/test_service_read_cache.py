@@ -3,14 +3,12 @@ an ingest (or a drain) changes the job."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi.testclient import TestClient
 from service_support import make_settings, step_records
 
 from service.main import create_app
 from service.schemas import LayerLatest, MetricsSummary, StepPoint
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, Storage, open_storage
 
 
 def _ingest_step(store: Storage, step: int, ratio_scale: float = 1.0) -> None:
@@ -27,9 +25,9 @@ def _uncached(store: Storage) -> dict[str, object]:
     }
 
 
-def test_cached_reads_follow_every_ingest_and_the_drain(tmp_path: Path) -> None:
-    db = tmp_path / "db.sqlite"
-    store = Storage(db)
+def test_cached_reads_follow_every_ingest_and_the_drain(storage_url: str) -> None:
+    db = storage_url
+    store = open_storage(db)
     store.insert_job(job_id="j1", name="j1", source="api", status="RUNNING", entrypoint="x", spec=None)
     with TestClient(create_app(make_settings(db, None))) as client:
         base = "/v1/jobs/j1/metrics"
@@ -53,3 +51,4 @@ def test_cached_reads_follow_every_ingest_and_the_drain(tmp_path: Path) -> None:
         assert client.get(f"{base}/summary").json()["ingest"]["drained"] is True
         cache = client.app.state.read_cache
         assert cache.hits >= 9 and cache.misses >= 15
+    store.close()
