@@ -41,6 +41,7 @@ class Ingester:
         self.ray = ray_gateway
         self.last_error: str | None = None
         self.lease = storage.leader_lease()
+        self.stored_records = 0  # by this process (a replica that is not the leader stores none)
         self._last_sync = 0.0
         self._last_retention = 0.0
 
@@ -97,7 +98,7 @@ class Ingester:
                 break
             saw_sink = True
             records = page["records"]
-            self.storage.ingest(
+            self.stored_records += self.storage.ingest(
                 job_id,
                 IngestBatch(
                     records=records,

@@ -30,12 +30,16 @@ class _Writer:
             self.lines.append(f"{name} {float(value)!r}")
 
 
-def render_prometheus(storage: Storage, settings: Settings, ingest_ok: bool, leader: bool = True) -> str:
+def render_prometheus(
+    storage: Storage, settings: Settings, ingest_ok: bool, leader: bool = True, stored_here: int = 0
+) -> str:
     w = _Writer()
     w.family("tail_ray_ingest_up", "gauge", "1 when the last ingest pass reached Ray.")
     w.sample("tail_ray_ingest_up", 1.0 if ingest_ok else 0.0)
     w.family("tail_ray_ingest_leader", "gauge", "1 on the replica that holds the ingester lease.")
     w.sample("tail_ray_ingest_leader", 1.0 if leader else 0.0)
+    w.family("tail_ray_ingest_stored_records_total", "counter", "Metric records this replica stored.")
+    w.sample("tail_ray_ingest_stored_records_total", stored_here)
 
     size = storage.size()
     w.family("tail_ray_storage_records", "gauge", "Metric records kept in the database, by kind.")

@@ -91,6 +91,10 @@ def prometheus_metrics(
     """Prometheus text: job counts by status, per-job traffic and ratio for the newest
     ``prometheus_max_jobs`` jobs, per-layer ratio/bits capped at ``prometheus_max_layers``."""
     body = render_prometheus(
-        storage, settings, ingest_ok=ingester.last_error is None, leader=ingester.is_leader
+        storage,
+        settings,
+        ingest_ok=ingester.last_error is None,
+        leader=ingester.is_leader,
+        stored_here=ingester.stored_records,
     )
     return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
