@@ -92,7 +92,7 @@ class Ingester:
     def drain_job(self, job_id: str, cursor: int, terminal: bool, ended_at: float | None) -> int:
         limit = self.settings.ingest_batch_records
         stored, saw_sink = 0, False
-        while True:
+        while self.lease.held:  # a leader that lost its lease mid-drain stops at the next page
             page = self.ray.read_sink(job_id, cursor, limit)
             if page is None:
                 break
@@ -116,6 +116,8 @@ class Ingester:
             cursor = int(page["next_seq"])
             if len(records) < limit:
                 break
+        if not self.lease.held:
+            return stored  # another replica ingests now; it decides when the job is drained
         settled = ended_at is not None and time.time() - ended_at >= self.settings.drain_grace_s
         if terminal and settled and stored == 0:
             self.storage.mark_drained(job_id)

@@ -109,6 +109,16 @@ class _PgTx:
         self._execute("SELECT 1 FROM ingest_cursors WHERE job_id = ? FOR UPDATE", (job_id,))
 
 
+_LEASE_SESSION = (
+    "SET tcp_keepalives_idle = 10",
+    "SET tcp_keepalives_interval = 5",
+    "SET tcp_keepalives_count = 3",
+    # The holder pings its session every ingest pass and page (``held``); one silent for a
+    # minute is gone or stuck, and ending its session frees the lock for another replica.
+    "SET idle_session_timeout = '60s'",
+)
+
+
 class _AdvisoryLease(LeaderLease):
     """A session-level advisory lock on a dedicated autocommit connection."""
 
@@ -120,7 +130,16 @@ class _AdvisoryLease(LeaderLease):
         if self.held:
             return True
         try:
-            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            # Client-side keepalives notice a dead server; the session settings below make the
+            # server notice a dead or frozen holder (no FIN when a node is lost), so the lock
+            # does not outlive it by the kernel's default of two hours.
+            conn = psycopg.connect(
+                self.url, autocommit=True, connect_timeout=10, keepalives=1, keepalives_idle=10,
+                keepalives_interval=5, keepalives_count=3,
+            )  # fmt: skip
+            for setting in _LEASE_SESSION:
+                with contextlib.suppress(psycopg.errors.UndefinedObject):  # idle_session_timeout: 14+
+                    conn.execute(setting.encode())
         except psycopg.Error as exc:
             logger.warning("leader election: cannot connect: %s", exc)
             return False
