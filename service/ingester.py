@@ -5,9 +5,9 @@ Two duties, one loop (``run_forever``), each step a plain blocking method the te
 - ``sync_jobs``: list Ray's jobs; add the ones submitted by hand (`ray job submit -- python
   -m jobs.train ...`), and copy status changes of the ones we know.
 - ``drain``: for each job not yet drained, read its sink from the stored cursor in pages of
-  ``ingest_batch_records`` and persist each page with its new cursor in one transaction
-  (``Storage.ingest``). A restart resumes from the stored cursor: nothing lost, nothing
-  doubled, and whatever the sink buffered while we were down is read now.
+  ``ingest_batch_records`` (every job's read in flight at once) and persist each page with its
+  new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
+  cursor: nothing lost, nothing doubled, and whatever the sink buffered meanwhile is read now.
 - ``retain``: every ``retention_interval_s``, thin old records per job (``Storage.apply_retention``).
 
 Only one ingester works on a database at a time: each pass first takes (or confirms) the
@@ -25,13 +25,24 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from service.errors import RayUnavailable
 from service.ray_client import RayGateway, name_from_entrypoint
 from service.settings import Settings
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, JobRow, Storage
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _JobDrain:
+    """One job's progress through a drain pass."""
+
+    job: JobRow
+    cursor: int
+    read: int = 0
+    saw_sink: bool = False
 
 
 class Ingester:
@@ -83,48 +94,54 @@ class Ingester:
 
     # ------------------------------------------------------------ metrics
     def drain(self) -> int:
-        """Read every undrained job's sink up to its end; returns records stored."""
-        stored = 0
-        for job, cursor in self.storage.undrained_jobs():
-            stored += self.drain_job(job.id, cursor, job.is_terminal, job.ended_at)
-        return stored
+        """Read every undrained job's sink up to its end; returns records read.
 
-    def drain_job(self, job_id: str, cursor: int, terminal: bool, ended_at: float | None) -> int:
+        Each round asks every job that still has records for its next page at once (the sink
+        actors serialize their pages in parallel), then stores each page with its new cursor in
+        one transaction. A job whose page was full goes on to the next round."""
         limit = self.settings.ingest_batch_records
-        stored, saw_sink = 0, False
-        while self.lease.held:  # a leader that lost its lease mid-drain stops at the next page
-            page = self.ray.read_sink(job_id, cursor, limit)
-            if page is None:
-                break
-            saw_sink = True
-            records = page["records"]
-            self.stored_records += self.storage.ingest(
-                job_id,
-                IngestBatch(
-                    records=records,
-                    next_seq=int(page["next_seq"]),
-                    missed=int(page["missed"]),
-                    dropped_in_sink=int(page["dropped_in_sink"]),
-                    dropped_by_workers=int(page["dropped_by_workers"]),
-                ),
-            )
-            if page["missed"]:
-                logger.warning(
-                    "job %s: the sink dropped %d records before we read them", job_id, page["missed"]
-                )
-            stored += len(records)
-            cursor = int(page["next_seq"])
-            if len(records) < limit:
-                break
+        jobs = {job.id: _JobDrain(job, cursor) for job, cursor in self.storage.undrained_jobs()}
+        active = list(jobs)
+        while active and self.lease.held:  # a leader that lost its lease stops at the next round
+            pages = self.ray.read_sinks({job_id: jobs[job_id].cursor for job_id in active}, limit)
+            active = [job_id for job_id in active if self._store(jobs[job_id], pages.get(job_id), limit)]
         if not self.lease.held:
-            return stored  # another replica ingests now; it decides when the job is drained
+            return sum(d.read for d in jobs.values())  # another replica ingests now; it decides drains
+        for d in jobs.values():
+            self._maybe_drained(d)
+        return sum(d.read for d in jobs.values())
+
+    def _store(self, d: _JobDrain, page: dict | None, limit: int) -> bool:
+        """Store one page; True when the sink may hold more right now."""
+        if page is None:
+            return False
+        d.saw_sink = True
+        records = page["records"]
+        batch = IngestBatch(
+            records=records,
+            next_seq=int(page["next_seq"]),
+            missed=int(page["missed"]),
+            dropped_in_sink=int(page["dropped_in_sink"]),
+            dropped_by_workers=int(page["dropped_by_workers"]),
+        )
+        self.stored_records += self.storage.ingest(d.job.id, batch)
+        if page["missed"]:
+            logger.warning(
+                "job %s: the sink dropped %d records before we read them", d.job.id, page["missed"]
+            )
+        d.read += len(records)
+        d.cursor = batch.next_seq
+        return len(records) >= limit
+
+    def _maybe_drained(self, d: _JobDrain) -> None:
+        """A job is drained when it ended ``drain_grace_s`` ago and this pass read nothing new."""
+        ended_at = d.job.ended_at
         settled = ended_at is not None and time.time() - ended_at >= self.settings.drain_grace_s
-        if terminal and settled and stored == 0:
-            self.storage.mark_drained(job_id)
-            if saw_sink and self.settings.close_drained_sinks:
-                self.ray.close_sink(job_id)
-            logger.info("job %s: metrics drained", job_id)
-        return stored
+        if d.job.is_terminal and settled and d.read == 0:
+            self.storage.mark_drained(d.job.id)
+            if d.saw_sink and self.settings.close_drained_sinks:
+                self.ray.close_sink(d.job.id)
+            logger.info("job %s: metrics drained", d.job.id)
 
     def retain(self) -> int:
         """Thin every job's old records to the retention policy; returns records deleted."""

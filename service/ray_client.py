@@ -70,6 +70,7 @@ class RayGateway:
         self._lock = threading.Lock()
         self._client: JobSubmissionClient | None = None
         self._secret = settings.ray_token()
+        self._sinks: dict[str, Any] = {}  # job id -> its sink's actor handle (this driver's)
 
     # ------------------------------------------------------------ helpers
     def redact(self, text: str) -> str:
@@ -110,6 +111,7 @@ class RayGateway:
             if not ray.is_initialized() or _gcs_answers(ray.get_runtime_context().gcs_address):
                 return  # only the job server is down: the driver is fine where it is
             logger.warning("Ray's GCS is unreachable: leaving the cluster; will rejoin when it answers")
+            self._sinks.clear()  # handles of the driver we leave
             try:
                 ray.shutdown()
             except Exception as exc:
@@ -226,21 +228,33 @@ class RayGateway:
                     f"cannot join the Ray cluster at {self.settings.ray_address}", exc
                 ) from None
 
-    def read_sink(self, job_id: str, after_seq: int, limit: int) -> dict[str, Any] | None:
-        """One page from the job's sink, or None when the job has no sink (yet, or any more)."""
+    def read_sinks(self, cursors: dict[str, int], limit: int) -> dict[str, dict[str, Any] | None]:
+        """One page from each job's sink (job id -> cursor), the reads in flight together: the
+        sink actors serialize their pages in parallel instead of one after the other. None for
+        a job with no sink (yet, or any more). Actor handles are cached per job."""
         self.connect()
+        refs: dict[str, ray.ObjectRef | None] = {}
         try:
-            handle = sink_mod.find_sink(job_id)
-            if handle is None:
-                return None
-            ref: ray.ObjectRef = handle.read.remote(after_seq, limit)
-            return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
-        except ray.exceptions.RayActorError:
-            return None  # the sink was closed between find and read
+            for job_id, after_seq in cursors.items():
+                handle = self._sinks.get(job_id) or sink_mod.find_sink(job_id)
+                if handle is not None:
+                    self._sinks[job_id] = handle
+                refs[job_id] = handle.read.remote(after_seq, limit) if handle is not None else None
         except Exception as exc:
-            raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
+            raise self._unavailable("cannot reach the metrics sinks", exc) from None
+        out: dict[str, dict[str, Any] | None] = {}
+        for job_id, ref in refs.items():
+            try:
+                out[job_id] = None if ref is None else dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
+            except ray.exceptions.RayActorError:
+                self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
+                out[job_id] = None
+            except Exception as exc:
+                raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
+        return out
 
     def close_sink(self, job_id: str) -> None:
+        self._sinks.pop(job_id, None)
         self.connect()
         try:
             sink_mod.close_sink(job_id)
