@@ -137,14 +137,22 @@ def start_profiler(pid: int, out: Path, duration_s: float) -> subprocess.Popen[b
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-async def drive(args: argparse.Namespace, shape: Shape, url: str, base_url: str, producer: Producer) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(
+    args: argparse.Namespace, shape: Shape, url: str, base_url: str, producer: Producer, service_pid: int
+) -> dict:
     stats, watch, stop_watch = RouteStats(), IngestWatch(), asyncio.Event()
     reader = CursorReader(url)
     backlog_end = args.backlog_steps * shape.records_per_step
     limits = httpx.Limits(max_connections=args.pollers + args.streams + 10)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30.0) as client:
         await asyncio.to_thread(insert_jobs, url, shape)  # the ingester finds them on its next pass
-        t_go, wall_go = time.monotonic(), time.time()
+        t_go, wall_go, cpu_go = time.monotonic(), time.time(), cpu_seconds(service_pid)
         producer.go.set()
         watcher = asyncio.create_task(
             watch_ingest(reader, shape, backlog_end, producer.out, stop_watch, watch)
@@ -159,12 +167,15 @@ async def drive(args: argparse.Namespace, shape: Shape, url: str, base_url: str,
         readers += [streamer(client, job[i], deadline, wall_go, stats) for i in range(args.streams)]
         await asyncio.gather(*readers)
         wall_s = time.monotonic() - t_go
+        service_cores = (cpu_seconds(service_pid) - cpu_go) / wall_s
         producer.stop.set()
         await _settle(watch, args.drain_timeout_s)
         stop_watch.set()
         await watcher
     reader.close()
-    return report(args, shape, stats, watch, t_go, wall_go, wall_s)
+    out = report(args, shape, stats, watch, t_go, wall_go, wall_s)
+    out["service_cpu_cores"] = round(service_cores, 2)
+    return out
 
 
 async def _settle(watch: IngestWatch, timeout_s: float) -> None:
@@ -296,7 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(stop_process, service)
         if args.profile_out:
             stack.callback(start_profiler(service.pid, args.profile_out, args.duration_s).wait, 60)
-        return asyncio.run(drive(args, shape, url, f"http://127.0.0.1:{port}", producer))
+        return asyncio.run(drive(args, shape, url, f"http://127.0.0.1:{port}", producer, service.pid))
 
 
 def _stop_producer(producer: Producer) -> None:
@@ -333,6 +344,7 @@ def print_table(out: dict[str, Any]) -> None:
         f" {o['ingest_records_per_s']} records/s ({o['ingest_layer_records_per_s']} layer-records/s;"
         f" goal >= 100000); offered {o['offered_records_per_s']} records/s"
     )
+    lines.append(f"service    {o['service_cpu_cores']} cores on average (of {os.cpu_count()})")
     lines.append(
         f"lag        push -> stored, {o['lag_steps']} steps after catching up: p50 {o['lag_p50_s']} s,"
         f" p99 {o['lag_p99_s']} s, max {o['lag_max_s']} s (goal < 5 s)"
