@@ -5,8 +5,8 @@ Two duties, one loop (``run_forever``), each step a plain blocking method the te
 - ``sync_jobs``: list Ray's jobs; add the ones submitted by hand (`ray job submit -- python
   -m jobs.train ...`), and copy status changes of the ones we know.
 - ``drain``: for each job not yet drained, read its sink from the stored cursor in pages of
-  ``ingest_batch_records`` (every job's read in flight at once) and persist each page with its
-  new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
+  ``ingest_batch_records`` (reads in flight while earlier pages are stored) and persist each
+  page with its new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
   cursor: nothing lost, nothing doubled, and whatever the sink buffered meanwhile is read now.
 - ``retain``: every ``retention_interval_s``, thin old records per job (``Storage.apply_retention``).
 
@@ -96,25 +96,28 @@ class Ingester:
     def drain(self) -> int:
         """Read every undrained job's sink up to its end; returns records read.
 
-        Each round asks every job that still has records for its next page at once (the sink
-        actors serialize their pages in parallel), then stores each page with its new cursor in
-        one transaction. A job whose page was full goes on to the next round."""
+        Every job's first read is sent at once; whenever a page comes back full, that job's next
+        read is sent before the page is stored, so the sink actors serialize pages while this
+        thread stores earlier ones. Each page is stored with its new cursor in one transaction."""
         limit = self.settings.ingest_batch_records
         jobs = {job.id: _JobDrain(job, cursor) for job, cursor in self.storage.undrained_jobs()}
-        active = list(jobs)
-        while active and self.lease.held:  # a leader that lost its lease stops at the next round
-            pages = self.ray.read_sinks({job_id: jobs[job_id].cursor for job_id in active}, limit)
-            active = [job_id for job_id in active if self._store(jobs[job_id], pages.get(job_id), limit)]
+        inflight = self.ray.request_sink_pages({job_id: d.cursor for job_id, d in jobs.items()}, limit)
+        while inflight and self.lease.held:  # a leader that lost its lease stops at the next page
+            job_id = next(iter(inflight))
+            page = self.ray.sink_page(job_id, inflight.pop(job_id))
+            if page is not None and len(page["records"]) >= limit:
+                inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
+            self._store(jobs[job_id], page)
         if not self.lease.held:
             return sum(d.read for d in jobs.values())  # another replica ingests now; it decides drains
         for d in jobs.values():
             self._maybe_drained(d)
         return sum(d.read for d in jobs.values())
 
-    def _store(self, d: _JobDrain, page: dict | None, limit: int) -> bool:
-        """Store one page; True when the sink may hold more right now."""
+    def _store(self, d: _JobDrain, page: dict | None) -> None:
+        """Store one page and advance the job's cursor."""
         if page is None:
-            return False
+            return
         d.saw_sink = True
         records = page["records"]
         batch = IngestBatch(
@@ -131,7 +134,6 @@ class Ingester:
             )
         d.read += len(records)
         d.cursor = batch.next_seq
-        return len(records) >= limit
 
     def _maybe_drained(self, d: _JobDrain) -> None:
         """A job is drained when it ended ``drain_grace_s`` ago and this pass read nothing new."""

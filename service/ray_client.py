@@ -228,10 +228,11 @@ class RayGateway:
                     f"cannot join the Ray cluster at {self.settings.ray_address}", exc
                 ) from None
 
-    def read_sinks(self, cursors: dict[str, int], limit: int) -> dict[str, dict[str, Any] | None]:
-        """One page from each job's sink (job id -> cursor), the reads in flight together: the
-        sink actors serialize their pages in parallel instead of one after the other. None for
-        a job with no sink (yet, or any more). Actor handles are cached per job."""
+    def request_sink_pages(self, cursors: dict[str, int], limit: int) -> dict[str, ray.ObjectRef | None]:
+        """Send each job's sink a read for its next page (job id -> cursor) without waiting: the
+        reads are in flight together, and the sink actors serialize their pages while the
+        caller stores earlier ones. None for a job with no sink (yet, or any more). Actor
+        handles are cached per job (a named-actor lookup is a GCS round trip)."""
         self.connect()
         refs: dict[str, ray.ObjectRef | None] = {}
         try:
@@ -242,16 +243,19 @@ class RayGateway:
                 refs[job_id] = handle.read.remote(after_seq, limit) if handle is not None else None
         except Exception as exc:
             raise self._unavailable("cannot reach the metrics sinks", exc) from None
-        out: dict[str, dict[str, Any] | None] = {}
-        for job_id, ref in refs.items():
-            try:
-                out[job_id] = None if ref is None else dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
-            except ray.exceptions.RayActorError:
-                self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
-                out[job_id] = None
-            except Exception as exc:
-                raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
-        return out
+        return refs
+
+    def sink_page(self, job_id: str, ref: ray.ObjectRef | None) -> dict[str, Any] | None:
+        """The page a ``request_sink_pages`` read returned; None when the sink is gone."""
+        if ref is None:
+            return None
+        try:
+            return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
+        except ray.exceptions.RayActorError:
+            self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
+            return None
+        except Exception as exc:
+            raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
 
     def close_sink(self, job_id: str) -> None:
         self._sinks.pop(job_id, None)

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     ingest_enabled: bool = True
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
     ingest_batch_records: int = Field(
-        20_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
+        5_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
     )
     sync_interval_s: float = Field(3.0, gt=0, le=300)
     drain_grace_s: float = Field(5.0, ge=0, le=600)
