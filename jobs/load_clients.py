@@ -115,30 +115,40 @@ def produce_direct(
     stop: Any,
     out: Any,
 ) -> None:
-    """No Ray: after ``go``, store the backlog as fast as ``Storage.ingest`` takes it (one
-    transaction per job and step, as the ingester does with a sink page), then one step of
-    every job per interval until ``stop``."""
-    from service.storage import IngestBatch, open_storage
+    """No Ray: after ``go``, store the backlog as fast as ``Storage.ingest`` takes it, in pages of
+    about 5,000 records per job (as the ingester does), then one step of every job per
+    interval until ``stop``."""
+    from service.storage import open_storage
 
     storage = open_storage(database_url)
     templates = [rank_templates(shape, shape.job_id(j)) for j in range(shape.jobs)]
     ready.set()
     go.wait()
-    step, t0 = 0, time.monotonic()
-    while not stop.is_set() and (step < backlog_steps or shape.step_interval_s > 0):
-        wall = time.time()
-        for j in range(shape.jobs):
-            first = step * shape.records_per_step + 1
-            records = [r for t in templates[j] for r in step_batch(t, step, wall)]
-            numbered = [{"seq": first + i, **r} for i, r in enumerate(records)]
-            storage.ingest(shape.job_id(j), IngestBatch(numbered, first + len(numbered) - 1))
-            out.put((j, step, first + len(numbered) - 1, wall))
-        step += 1
-        if step > backlog_steps:
-            time.sleep(max(0.0, t0 + (step - backlog_steps) * shape.step_interval_s - time.monotonic()))
-        else:
-            t0 = time.monotonic()
+    per_page = max(1, 5000 // shape.records_per_step)
+    step = 0
+    while step < backlog_steps and not stop.is_set():
+        steps = range(step, min(backlog_steps, step + per_page))
+        _store_steps(storage, shape, templates, steps, out)
+        step = steps.stop
+    t0, live = time.monotonic(), 0
+    while shape.step_interval_s > 0 and not stop.is_set():
+        _store_steps(storage, shape, templates, range(step, step + 1), out)
+        step, live = step + 1, live + 1
+        time.sleep(max(0.0, t0 + live * shape.step_interval_s - time.monotonic()))
     storage.close()
+
+
+def _store_steps(storage: Any, shape: Shape, templates: list[Any], steps: range, out: Any) -> None:
+    from service.storage import IngestBatch
+
+    wall = time.time()
+    for j in range(shape.jobs):
+        first = steps.start * shape.records_per_step + 1
+        records = [r for step in steps for t in templates[j] for r in step_batch(t, step, wall)]
+        numbered = [{"seq": first + i, **r} for i, r in enumerate(records)]
+        storage.ingest(shape.job_id(j), IngestBatch(numbered, first + len(numbered) - 1))
+        for step in steps:
+            out.put((j, step, (step + 1) * shape.records_per_step, wall))
 
 
 def start_producer(shape: Shape, source: str, address: str, backlog_steps: int, capacity: int) -> Producer:
