@@ -203,6 +203,7 @@ def report(args: argparse.Namespace, shape: Shape, stats: RouteStats, watch: Ing
     rate = stored_then / (caught - t_go) if caught is not None and stored_then and caught > t_go else None
     caught_wall = wall_go + (caught - t_go) if caught is not None else None
     steady = [lag for pushed, lag in watch.lags_s if caught_wall is not None and pushed >= caught_wall]
+    every_lag = [lag for _, lag in watch.lags_s]
     layer_share = shape.layers / (shape.layers + 1)
     per_step = shape.jobs * shape.records_per_step
     offered = round(per_step / shape.step_interval_s) if shape.step_interval_s > 0 else 0
