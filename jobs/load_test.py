@@ -236,11 +236,9 @@ def report(args: argparse.Namespace, shape: Shape, stats: RouteStats, watch: Ing
         "caught_up_s": round(caught - t_go, 2) if caught is not None else None,
         "ingest_records_per_s": round(rate) if rate else None,
         "ingest_layer_records_per_s": round(rate * layer_share) if rate else None,
-        "lag_all_steps": len(watch.lags_s),
-        "lag_all_p99_s": round(percentile([lag for _, lag in watch.lags_s], 0.99), 2)
-        if watch.lags_s
-        else None,
-        "lag_all_max_s": round(max(lag for _, lag in watch.lags_s), 2) if watch.lags_s else None,
+        "lag_all_steps": len(every_lag),
+        "lag_all_p99_s": round(percentile(every_lag, 0.99), 2) if every_lag else None,
+        "lag_all_max_s": round(max(every_lag), 2) if every_lag else None,
         "lag_steps": len(steady),
         "lag_p50_s": round(percentile(steady, 0.5), 2) if steady else None,
         "lag_p99_s": round(percentile(steady, 0.99), 2) if steady else None,
