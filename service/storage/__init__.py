@@ -68,7 +68,7 @@ def open_storage(url: str | Path) -> Storage:
         from service.storage.sqlite import SqliteStorage
 
         return SqliteStorage(Path(target))
-    # Imported here: psycopg is only needed by deployments that use PostgreSQL.
+    # Imported here: a SQLite service never loads the PostgreSQL driver.
     from service.storage.postgres import PostgresStorage
 
     return PostgresStorage(target)

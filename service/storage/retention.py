@@ -66,7 +66,8 @@ class RetentionSql(SqlBase):
                 " CAST(COALESCE(SUM(pruned), 0) AS BIGINT) AS pruned FROM ingest_cursors"
             )
             database_bytes = self._database_bytes(tx)
-        assert row is not None  # an aggregate without GROUP BY always returns one row
+        if row is None:  # never: an aggregate without GROUP BY returns one row
+            return StorageSize(0, 0, 0, database_bytes)
         return StorageSize(
             layer_records=int(row["layer_records"]),
             step_records=int(row["step_records"]),

@@ -3,10 +3,15 @@ an ingest (or a drain) changes the job."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 from fastapi.testclient import TestClient
 from service_support import make_settings, step_records
 
 from service.main import create_app
+from service.read_cache import ReadCache
 from service.schemas import LayerLatest, MetricsSummary, StepPoint
 from service.storage import IngestBatch, Storage, open_storage
 
@@ -52,3 +57,50 @@ def test_cached_reads_follow_every_ingest_and_the_drain(storage_url: str) -> Non
         cache = client.app.state.read_cache
         assert cache.hits >= 9 and cache.misses >= 15
     store.close()
+
+
+def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
+    """Single flight: a hundred dashboards reading right after an ingest commit run the query
+    once; a failed build fails every reader that waited for it, and the next read retries."""
+    cache, calls, gate = ReadCache(), [], threading.Event()
+
+    def build() -> str:
+        calls.append(1)
+        gate.wait(5)  # slow enough that every reader arrives while it runs
+        return "value"
+
+    results: list[str] = []
+    readers = [threading.Thread(target=lambda: results.append(cache.get("k", 1, build))) for _ in range(20)]
+    for t in readers:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in readers:
+        t.join(5)
+    assert results == ["value"] * 20 and len(calls) == 1
+    assert (cache.misses, cache.hits) == (1, 19)
+
+    def failing() -> str:
+        gate.wait(5)
+        raise RuntimeError("database restarting")
+
+    gate.clear()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            cache.get("k", 2, failing)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(5)]
+    for t in readers:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in readers:
+        t.join(5)
+    assert len(errors) == 5
+    assert cache.get("k", 2, lambda: "recovered") == "recovered"
+    with pytest.raises(RuntimeError):
+        cache.get("k", 3, failing)
