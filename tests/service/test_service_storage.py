@@ -12,8 +12,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from service_support import LAYERS, raw_rows, step_records
+from service_support import LAYERS, make_settings, raw_rows, step_records
 
+from service.ingester import Ingester
+from service.prometheus import render_prometheus
 from service.storage import IngestBatch, RetentionPolicy, Storage, open_storage, parse_storage_url
 from service.storage.schema import POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS, sqlite_statements
 
@@ -411,3 +413,28 @@ def test_database_urls_name_the_backend_or_say_what_is_accepted() -> None:
     assert parse_storage_url("postgresql://u:p@h:5/db")[0] == "postgresql"
     with pytest.raises(ValueError, match="use sqlite:///path"):
         parse_storage_url("mysql://h/db")
+
+
+def test_the_ingester_thins_every_job_to_the_retention_setting(store: Storage, tmp_path: Path) -> None:
+    """The settings reach retention: ``Ingester.retain`` (run every RETENTION_INTERVAL_S by the
+    leader) thins every job until nothing is left to thin, and /metrics' size reflects it."""
+    store.insert_job(job_id="j2", name="j2", source="api", status="SUCCEEDED", entrypoint="x", spec=None)
+    _ingest_steps(store, range(60))
+    for step in range(30):
+        recs = [
+            {"seq": store.cursor("j2") + 1 + i, **r} for i, r in enumerate(step_records("j2", step, ranks=1))
+        ]
+        store.ingest("j2", IngestBatch(recs, recs[-1]["seq"]))
+    settings = make_settings(
+        tmp_path / "unused.sqlite", None, retention_full_steps=10, retention_every_k_steps=5
+    )
+    deleted = Ingester(settings, store, ray_gateway=None).retain()  # type: ignore[arg-type]  # no Ray needed
+    kept_j1 = [s for s in range(60) if s >= 50 or s % 5 == 0]
+    kept_j2 = [s for s in range(30) if s >= 20 or s % 5 == 0]
+    assert [p["step"] for p in store.steps("j1", -1, 100)] == kept_j1
+    assert [p["step"] for p in store.steps("j2", -1, 100)] == kept_j2
+    per_step = len(LAYERS) + 1
+    assert deleted == (60 - len(kept_j1) + 30 - len(kept_j2)) * per_step
+    text = render_prometheus(store, settings, ingest_ok=True)
+    assert f'tail_ray_storage_records{{kind="step"}} {float(len(kept_j1) + len(kept_j2))!r}' in text
+    assert f"tail_ray_storage_pruned_records_total {float(deleted)!r}" in text
