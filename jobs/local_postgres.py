@@ -74,6 +74,12 @@ class LocalPostgres:
             str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", SUPERUSER, "--auth=trust",
             "--encoding=UTF8", "--locale=C", "--no-sync",
         )  # fmt: skip
+        self.start_server()
+        logger.info("PostgreSQL started on 127.0.0.1:%d (%s)", self.port, self.root)
+        return self
+
+    def start_server(self) -> None:
+        """Start the server on the initialized data directory (again, after ``stop_server``)."""
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.root}"
         if not self.durable:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
@@ -82,13 +88,15 @@ class LocalPostgres:
             "-o", options, "-w", "-t", "60", "start",
         )  # fmt: skip
         self._started = True
-        logger.info("PostgreSQL started on 127.0.0.1:%d (%s)", self.port, self.root)
-        return self
 
-    def stop(self) -> None:
+    def stop_server(self) -> None:
+        """Stop the server, keeping its data (an outage, for tests)."""
         if self._started:
             self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop")
             self._started = False
+
+    def stop(self) -> None:
+        self.stop_server()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def url(self, database: str = "postgres") -> str:

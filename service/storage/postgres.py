@@ -47,6 +47,7 @@ def _lock_key(name: str) -> int:
 
 
 INGESTER_LOCK_KEY = _lock_key("tail-ray:ingester")
+POOL_TIMEOUT_S = 10.0
 MIGRATION_LOCK_KEY = _lock_key("tail-ray:migrations")
 
 
@@ -181,12 +182,15 @@ class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
         self.url = url
         kwargs = {"row_factory": dict_row, "connect_timeout": 10}
         try:
+            # timeout: how long a request waits for a connection before it fails (503) instead
+            # of hanging while the database is down.
             self._writers: ConnectionPool[Any] = ConnectionPool(
-                url, min_size=1, max_size=max_writers, kwargs=kwargs, open=True, name="tail-ray-write"
-            )
+                url, min_size=1, max_size=max_writers, kwargs=kwargs, open=True, name="tail-ray-write",
+                timeout=POOL_TIMEOUT_S,
+            )  # fmt: skip
             self._readers: ConnectionPool[Any] = ConnectionPool(
                 url, min_size=1, max_size=max_readers, kwargs=kwargs, configure=_configure_reader,
-                open=True, name="tail-ray-read",
+                open=True, name="tail-ray-read", timeout=POOL_TIMEOUT_S,
             )  # fmt: skip
             self._writers.wait(timeout=30)
         except Exception as exc:
@@ -203,13 +207,19 @@ class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Tx]:
-        with self._writers.connection() as conn:  # commits on success, rolls back on error
-            yield _PgTx(conn)
+        try:
+            with self._writers.connection() as conn:  # commits on success, rolls back on error
+                yield _PgTx(conn)
+        except psycopg.OperationalError as exc:  # unreachable, restarting, no connection in time
+            raise StorageError(f"{self.describe()}: {exc}") from exc
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Tx]:
-        with self._readers.connection() as conn:
-            yield _PgTx(conn)
+        try:
+            with self._readers.connection() as conn:
+                yield _PgTx(conn)
+        except psycopg.OperationalError as exc:
+            raise StorageError(f"{self.describe()}: {exc}") from exc
 
     def close(self) -> None:
         self._readers.close()
@@ -240,7 +250,7 @@ class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
         try:
             with self._write() as tx:
                 tx.run("UPDATE ingest_cursors SET updated_at = updated_at WHERE 0 = 1")
-        except (psycopg.Error, OSError) as exc:
+        except (psycopg.Error, OSError, StorageError) as exc:
             raise StorageError(f"{self.describe()} is not writable: {exc}") from exc
 
     def leader_lease(self) -> LeaderLease:

@@ -129,13 +129,16 @@ class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
             if self._closed:
                 raise StorageError(f"storage {self.describe()} is closed")
             conn = self._writer
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield _SqliteTx(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield _SqliteTx(conn)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:  # locked past the busy timeout, disk full, I/O
+                raise StorageError(f"{self.describe()}: {exc}") from exc
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Tx]:
@@ -143,18 +146,23 @@ class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
             if self._closed:
                 raise StorageError(f"storage {self.describe()} is closed")
             conn = self._free_readers.pop() if self._free_readers else None
-        if conn is None:
-            conn = self._connect(writer=False)
-        conn.execute("BEGIN")  # one snapshot for every statement of this read
         try:
-            yield _SqliteTx(conn)
+            if conn is None:
+                conn = self._connect(writer=False)
+            conn.execute("BEGIN")  # one snapshot for every statement of this read
+            try:
+                yield _SqliteTx(conn)
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            raise StorageError(f"{self.describe()}: {exc}") from exc
         finally:
-            conn.execute("COMMIT")
-            with self._pool_lock:
-                if self._closed:
-                    conn.close()
-                else:
-                    self._free_readers.append(conn)
+            if conn is not None:
+                with self._pool_lock:
+                    if self._closed:
+                        conn.close()
+                    else:
+                        self._free_readers.append(conn)
 
     def close(self) -> None:
         with self._write_lock, self._pool_lock:
@@ -184,7 +192,7 @@ class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
         try:
             with self._write() as tx:
                 tx.run("UPDATE ingest_cursors SET updated_at = updated_at WHERE 0 = 1")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StorageError) as exc:
             raise StorageError(f"{self.describe()} is not writable: {exc}") from exc
 
     def leader_lease(self) -> LeaderLease:
