@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from service.storage import open_storage
 
 logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -31,6 +33,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The ingester's thread runs pure Python (decoding and converting sink pages) for tens of
+        # milliseconds at a time; a request waits for the interpreter lock at every hop between
+        # the event loop and a worker thread, up to the switch interval each time. At CPython's
+        # 5 ms, a three-hop read's p99 went from 4-14 ms to 35-67 ms beside a busy ingest thread;
+        # at 1 ms, to 5-20 ms (python -m jobs.bench_switch_interval, docs/operations.md).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # Opening migrates: blocking work, so off the event loop.
         app.state.storage = storage = await asyncio.to_thread(open_storage, settings.storage_url)
         logger.info("storage: %s", storage.describe())
