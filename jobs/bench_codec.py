@@ -1,4 +1,4 @@
-"""Codec benchmark: Tail and its fixed-setting peers on REAL gradients.
+"""Codec benchmark: Tail and its fixed-setting baselines on REAL gradients.
 
 Trains the project's own models on local data (digits_cnn on scikit-learn's bundled digits,
 char_transformer on the Python standard library's source) with W simulated data-parallel
@@ -39,11 +39,13 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.plan import pick_bits
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
 from tail_ray.compression.base import Compressor
+from tail_ray.compression.record_compressor import RecordCompressor
+from tail_ray.compression.records import LayerRecord, QuantRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor
-from tail_ray.compression.wire import Kind, LayerRecord, decode_payload
+from tail_ray.compression.wire import decode_payload
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import loss_fn, make_model
 
@@ -124,10 +126,10 @@ def _bound_bytes(rec: LayerRecord) -> float:
         from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
     except ImportError:  # the placeholder container: compute H0 here
         entropy_bound_bytes = sparse_entropy_bound_bytes = _h0_bytes
-    if rec.kind == Kind.QUANT and rec.levels is not None:
-        scales = 0 if rec.scales is None else 4 * rec.scales.size
+    if isinstance(rec, QuantRecord):
+        scales = 4 * rec.scales.size
         return min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels)) + scales
-    if rec.kind == Kind.SPARSE_F32 and rec.values is not None:
+    if isinstance(rec, SparseRecord):
         k = rec.values.size
         log2_choose = (
             math.lgamma(rec.numel + 1) - math.lgamma(k + 1) - math.lgamma(rec.numel - k + 1)
@@ -143,20 +145,18 @@ def _h0_bytes(levels: np.ndarray) -> float:
 
 
 def _warm(method: str, cap: Capture) -> list[Compressor]:
-    """One compressor per worker, run over the captured steps like the DDP hook would."""
+    """One compressor per worker, run over the captured steps as the payload hook runs them:
+    every worker compresses, then aggregates every worker's payload (Tail's controller sees
+    the spread between workers there)."""
     kind, settings = METHODS[method]
     comps = [make_compressor(kind, **settings) for _ in cap.grads[0]]
     for per_rank in cap.grads:
         payloads = []
         for comp, grads in zip(comps, per_rank, strict=True):
-            if hasattr(comp, "set_lr"):
-                comp.set_lr(cap.lr)
+            comp.set_lr(cap.lr)
             payloads.append(comp.compress(grads))
-        if any(hasattr(c, "observe_peers") for c in comps):
-            decoded = [comps[0].decompress(p) for p in payloads]
-            for comp in comps:
-                if hasattr(comp, "observe_peers"):
-                    comp.observe_peers(decoded)
+        for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
+            comp.aggregate(payloads, {n: torch.empty_like(g) for n, g in grads.items()}, own=rank)
     return comps
 
 
@@ -242,7 +242,7 @@ def bench_model(cap: Capture, min_total_s: float, min_timed_numel: int = 4096) -
             t_d = _time_per_call(lambda c=timed, p=layer_payload: c.decompress(p), min_total_s, 5000)
             # The engine's own part (error feedback + controller + quantize; dequantize), timed
             # directly through compress_records / decompress_records, the wire excluded.
-            if hasattr(timed, "compress_records"):
+            if isinstance(timed, RecordCompressor):
                 eng_c = _time_per_call(lambda c=timed, g=g: c.compress_records(g), min_total_s, 5000)
                 layer_records = decode_payload(layer_payload)
                 eng_d = _time_per_call(

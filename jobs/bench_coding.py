@@ -19,8 +19,9 @@ import constriction
 import numpy as np
 import torch
 
+from tail_ray.compression.code_table import CODE_NAMES, decode_levels, encode_levels
 from tail_ray.compression.entropy import entropy_bound_bytes
-from tail_ray.compression.levelcode import CODE_NAMES, decode_levels, encode_levels
+from tail_ray.compression.grid import levels_max
 
 
 def best_time_s(fn: Callable[[], object], repeats: int) -> float:
@@ -34,7 +35,7 @@ def best_time_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def synthetic(n: int, bits: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    half = (1 << (bits - 1)) - 1
+    half = levels_max(bits)
     if kind == "peaked":
         # max-abs bucket scaling puts most mass near 0: sigma ~ L/4 of the bucket max
         x = rng.standard_normal(n) * (half / 4.0 if bits > 2 else 0.5)
@@ -49,7 +50,7 @@ def synthetic(n: int, bits: int, kind: str, rng: np.random.Generator) -> np.ndar
 
 def constriction_row(levels: np.ndarray, bits: int, repeats: int) -> tuple[int, float, float]:
     """(bytes, encode s, decode s) of constriction's rANS with a Categorical model, for reference."""
-    half = (1 << (bits - 1)) - 1
+    half = levels_max(bits)
     sym = levels.astype(np.int32) + half
     probs = np.bincount(sym, minlength=2 * half + 1) / sym.size
     model = constriction.stream.model.Categorical(probs.astype(np.float64), perfect=False)

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tail_ray.collective import register_tail_hook
+from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
 from tail_ray.collective.launch import run_local_group
-from tail_ray.collective.state import COMPRESSOR_METHODS
+from tail_ray.compression.tail import TailCompressor
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
 
@@ -63,7 +63,7 @@ TASKS = {
     "lm": Task("lm", "stdlib_chars", "char_transformer", "adamw", 3e-3, 16, 0.8, 300, 30, "val_loss"),
 }
 
-# (label, method, config): the peers of TAIL.md at their usual settings, and Tail's defaults.
+# (label, method, config): the baselines of TAIL.md at their usual settings, and Tail's defaults.
 METHODS: list[tuple[str, str, dict[str, Any] | None]] = [
     ("none", "none", None),
     ("fp16", "fp16", None),
@@ -111,12 +111,11 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
     total = sum(bits_elems.values()) or 1
     shares = {str(b): round(1000 * n / total) for b, n in sorted(bits_elems.items())}
     out: dict[str, Any] = {"tail_bits": shares}
-    controller = getattr(state.compressor, "controller", None)
-    policy = getattr(controller, "policy", None)
-    if policy is not None:
-        step = state.compressor.step
-        names = sorted(getattr(controller, "plans", {}))
-        out["tail_tau"] = {n: round(policy.tau(n, step), 5) for n in names}
+    tail = state.compressor if isinstance(state, PayloadHookState) else None
+    if isinstance(tail, TailCompressor):
+        policy = tail.controller.policy
+        names = sorted(tail.controller.plans)
+        out["tail_tau"] = {n: round(policy.tau(n, tail.step), 5) for n in names}
         out["tail_noise"] = {n: round(policy.relative_noise(n) or 0.0, 5) for n in names}
     return out
 
@@ -126,7 +125,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
     model = make_model(task.model, ds, seed=SEED)
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
-    if method in COMPRESSOR_METHODS:
+    if method_spec(method).exchanges_payloads:
         # This benchmark measures what compression does to accuracy and traffic. Its two ranks
         # share one host, where the link-aware switch would (rightly) send plain all-reduce.
         settings.setdefault("link_aware", False)

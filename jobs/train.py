@@ -24,7 +24,8 @@ import os
 import sys
 
 from tail_ray.errors import ConfigError
-from tail_ray.runner.config import METHODS, JobConfig
+from tail_ray.methods import METHODS
+from tail_ray.runner.config import JobConfig
 
 logger = logging.getLogger("jobs.train")
 

@@ -1,11 +1,14 @@
-"""`tail-ray`: run the stack locally and talk to the service's REST API.
+"""`tail-ray`: the commands. Run the stack locally (service/stack.py) and talk to the
+service's REST API (service/client.py).
 
-    tail-ray up                  local Ray head + the service on 127.0.0.1; Ctrl-C stops both
+    tail-ray up                  local Ray head + the service on 127.0.0.1, supervised; Ctrl-C,
+                                 SIGTERM or SIGHUP stops both
     tail-ray demo                up, then a digits job with "tail" and one with "none", side by side
     tail-ray submit job.yaml     submit a job spec (the fields of POST /v1/jobs, as YAML)
     tail-ray jobs                list jobs
     tail-ray metrics JOB_ID      per-layer table and totals
     tail-ray stop JOB_ID | logs JOB_ID
+    tail-ray warmup              compile the codec's numba kernels once, into the shared cache
 
 Every command except `up`/`demo` only speaks HTTP to the service; the URL and API token come
 from --url/--token, else TAIL_RAY_URL/TAIL_RAY_API_TOKEN, else the file `up` writes
@@ -18,76 +21,26 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from service.ray_head import HeadPorts, LocalRayHead, free_port, ray_env
+from service.client import Api, CliError, home_dir, state_file
+from service.job_yaml import load_job_yaml
+from service.stack import Stack, StackOptions, StopRequested, running, warm_kernels
 
-HOME = Path(os.environ.get("TAIL_RAY_HOME", str(Path.home() / ".tail_ray"))).expanduser()
-STATE_FILE = HOME / "cli.json"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
+DEFAULT_MAX_WORLD = 8  # tail_ray.warmup's default, named here without importing torch
 EXIT_USAGE, EXIT_API = 2, 1
-
-
-class CliError(Exception):
-    """A message for the user; main() prints it and exits non-zero."""
-
-
-# ----------------------------------------------------------------------------- REST client
-@dataclass
-class Api:
-    url: str
-    token: str | None
-    children: list[subprocess.Popen[bytes]] = field(default_factory=list)  # what `up` started
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            resp = httpx.request(method, self.url + path, headers=self._headers(), timeout=30.0, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CliError(
-                f"cannot reach the service at {self.url} ({exc}); is `tail-ray up` running?"
-            ) from None
-        if resp.status_code == 422:
-            detail = resp.json().get("detail")
-            if isinstance(detail, list):
-                lines = [f"  {'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in detail]
-                raise CliError("the service rejected the job spec:\n" + "\n".join(lines))
-        if resp.status_code >= 400:
-            try:
-                message = resp.json().get("detail", resp.text)
-            except ValueError:
-                message = resp.text
-            raise CliError(f"{method} {path} -> HTTP {resp.status_code}: {message}")
-        return resp.json()
-
-    def get(self, path: str, **params: Any) -> Any:
-        return self.request("GET", path, params=params or None)
-
-    def post(self, path: str, body: Any = None) -> Any:
-        return self.request("POST", path, json=body)
+__all__ = ["EXIT_API", "EXIT_USAGE", "CliError", "build_parser", "main"]
 
 
 def _api(args: argparse.Namespace) -> Api:
-    state: dict[str, str] = {}
-    with contextlib.suppress(OSError, ValueError):
-        state = json.loads(STATE_FILE.read_text())
-    url = args.url or os.environ.get("TAIL_RAY_URL") or state.get("url") or "http://127.0.0.1:8000"
-    token = args.token or os.environ.get("TAIL_RAY_API_TOKEN") or state.get("token")
-    return Api(url.rstrip("/"), token)
+    return Api.resolve(args.url, args.token)
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -116,7 +69,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 # ----------------------------------------------------------------------------- API commands
 def cmd_submit(args: argparse.Namespace) -> int:
     try:
-        spec = yaml.safe_load(Path(args.file).read_text())
+        spec = load_job_yaml(Path(args.file).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise CliError(f"cannot read {args.file}: {exc}") from None
     if not isinstance(spec, dict):
@@ -173,97 +126,77 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- up / demo
-@contextlib.contextmanager
-def running_stack(args: argparse.Namespace) -> Iterator[Api]:
-    """A Ray head (unless --ray-address) and the service, both ours, stopped on exit by pid."""
-    HOME.mkdir(parents=True, exist_ok=True)
-    token = os.environ.get("TAIL_RAY_API_TOKEN") or secrets.token_urlsafe(24)
-    head: LocalRayHead | None = None
-    service: subprocess.Popen[bytes] | None = None
-    try:
-        if args.ray_address:
-            gcs, dashboard = args.ray_address, args.ray_dashboard_url
-        else:
-            head = LocalRayHead(HeadPorts.pick(), num_cpus=args.num_cpus, log_path=HOME / "ray-head.log")
-            print(f"starting a local Ray head (log: {head.log_path}) ...", flush=True)
-            head.start()
-            gcs, dashboard = head.ports.gcs_address, head.ports.dashboard_url
-        port = args.port or free_port()
-        env = ray_env()
-        env.update(
-            {
-                "TAIL_RAY_API_TOKEN": token,
-                "TAIL_RAY_RAY_ADDRESS": gcs,
-                "TAIL_RAY_RAY_DASHBOARD_URL": dashboard,
-                "TAIL_RAY_DB_PATH": str(Path(args.db).expanduser()),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-            }
-        )
-        cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.main:create_app"]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        with open(HOME / "service.log", "ab") as log:
-            service = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        api = Api(f"http://127.0.0.1:{port}", token)
-        _wait_ready(api, service)
-        STATE_FILE.touch(mode=0o600)
-        STATE_FILE.chmod(0o600)  # it holds the API token; touch() keeps an older file's mode
-        STATE_FILE.write_text(json.dumps({"url": api.url, "token": token}))
-        print(
-            f"tail-ray is up\n  dashboard    {api.url}/\n  API docs     {api.url}/docs\n"
-            f"  Ray          {dashboard}\n  API token    {token}\n  database     {args.db}\n"
-            f"  pids         service {service.pid}"
-            + (f", ray head {head.process.pid}" if head is not None and head.process is not None else "")
-            + f"\n  (url and token saved to {STATE_FILE} for the other tail-ray commands)",
-            flush=True,
-        )
-        api.children = [p for p in (service, head.process if head else None) if p is not None]
-        yield api
-    finally:
-        if service is not None and service.poll() is None:
-            service.send_signal(signal.SIGTERM)
-            try:
-                service.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                service.kill()
-                service.wait()
-        if head is not None:
-            head.stop()
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
-def _wait_ready(api: Api, service: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.poll() is not None:
-            raise CliError(f"the service exited with code {service.returncode}; see {HOME / 'service.log'}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(api.url + "/readyz", timeout=10).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise CliError(
-        f"the service at {api.url} was not ready after {timeout_s:.0f}s; see {HOME / 'service.log'}"
+def _stack_options(args: argparse.Namespace) -> StackOptions:
+    return StackOptions(
+        home=home_dir(),
+        db_path=Path(args.db or home_dir() / "service.sqlite").expanduser(),
+        port=args.port,
+        num_cpus=args.num_cpus,
+        ray_address=args.ray_address,
+        ray_dashboard_url=args.ray_dashboard_url,
+        job_python=args.python,
+        # The demo's jobs, and any job of up to 8 ranks, find every kernel compiled.
+        warmup_max_world=max(DEFAULT_MAX_WORLD, getattr(args, "workers", 0)),
     )
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    with running_stack(args) as api:
-        print("Ctrl-C to stop", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            while all(child.poll() is None for child in api.children):
-                time.sleep(1)
-            dead = [c for c in api.children if c.poll() is not None]
-            raise CliError(
-                f"pid {dead[0].pid} exited with code {dead[0].returncode}; stopping the rest (logs in {HOME})"
-            )
-    print("stopped")
+def cmd_warmup(args: argparse.Namespace) -> int:
+    if args.max_world < 1:
+        raise CliError(f"--max-world must be at least 1, got {args.max_world}")
+    warm_kernels(args.max_world, _say)
     return 0
 
 
-def _follow(api: Api, job_id: str, label: str, steps: int) -> dict[str, Any]:
-    """Draw a progress bar until the job ends; returns the job."""
+def _banner(stack: Stack) -> str:
+    pids = ", ".join(f"{what} {pid}" for what, pid in stack.pids().items())
+    # Logs (systemd, docker) keep what is printed: there the token stays in the 0600 file.
+    token = stack.token if sys.stdout.isatty() else f"(in {state_file()}; printed only to a terminal)"
+    logs = str(stack.options.home)
+    if stack.head is not None:
+        ray = (
+            f"{stack.head.dashboard_url}  (GCS {stack.head.address}, loopback only: a driver joins"
+            " with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)"
+        )
+        logs += f"; Ray's in {stack.head.temp_dir}/session_latest/logs"
+    else:
+        ray = f"{stack.options.ray_dashboard_url}  (GCS {stack.options.ray_address})"
+    rows = [
+        ("dashboard", f"{stack.url}/"),
+        ("API docs", f"{stack.url}/docs"),
+        ("API token", token),
+        ("Ray", ray),
+        ("jobs run", stack.job_python()),
+        ("database", str(stack.options.db_path)),
+        ("logs", logs),
+        ("pids", pids),
+    ]
+    lines = ["tail-ray is up", *(f"  {name:<12} {value}" for name, value in rows)]
+    lines.append(f"  (url and token saved to {state_file()} for the other tail-ray commands)")
+    return "\n".join(lines)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        with running(_stack_options(args), _say) as stack:
+            _say(_banner(stack))
+            _say("Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray")
+            while True:
+                stack.watch()
+                time.sleep(0.5)
+    except StopRequested as stop:
+        _say(f"{stop} received: stopped the service and Ray")
+    return 0
+
+
+def _follow(api: Api, job_id: str, label: str, steps: int, tick: Callable[[], None]) -> dict[str, Any]:
+    """Draw a progress bar until the job ends; returns the job. ``tick`` supervises the stack."""
     width = 30
     while True:
+        tick()
         job = api.get(f"/v1/jobs/{job_id}")
         last = api.get(f"/v1/jobs/{job_id}/metrics/summary")["last_step"]
         done = 0 if last is None else min(steps, last + 1)
@@ -286,29 +219,41 @@ def _result_line(logs: str) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    with running_stack(args) as api:
-        results = {}
-        for method in ("tail", "none"):
-            spec = {
-                "name": f"demo-digits-{method}", "model": "digits_cnn", "dataset": "digits", "method": method,
-                "min_workers": args.workers, "max_workers": args.workers, "steps": args.steps,
-                "batch_size": 32, "lr": 0.05, "checkpoint_every_steps": args.steps, "max_failures": 0,
-            }  # fmt: skip
-            if method == "tail":
-                # The demo shows what compression does. Its workers share this host, where the
-                # link-aware switch would (rightly) pick plain all-reduce: pin compression on.
-                spec["compression"] = {"link_aware": False}
-            job = api.post("/v1/jobs", spec)
-            print(f"submitted {job['id']} ({method}); watch it at {api.url}/#job={job['id']}")
-            job = _follow(api, job["id"], method, args.steps)
-            summary = api.get(f"/v1/jobs/{job['id']}/metrics/summary")
-            result = _result_line(api.get(f"/v1/jobs/{job['id']}/logs")["logs"])
-            if job["status"] != "SUCCEEDED":
-                print(f"  {method}: {job['status']}: {job['message'][-300:]}")
-            results[method] = (job, summary, result)
-        print()
-        print(_demo_table(results))
+    try:
+        with running(_stack_options(args), _say) as stack:
+            _run_demo(stack, args)
+    except StopRequested as stop:
+        _say(f"{stop} received: stopped the service and Ray")
+        return 130
     return 0
+
+
+def _run_demo(stack: Stack, args: argparse.Namespace) -> None:
+    api = stack.api
+    ray = stack.head.dashboard_url if stack.head else args.ray_dashboard_url
+    pids = ", ".join(f"{what} {pid}" for what, pid in stack.pids().items())
+    _say(f"tail-ray is up at {stack.url}/ (Ray {ray}; pids {pids})")
+    results = {}
+    for method in ("tail", "none"):
+        spec = {
+            "name": f"demo-digits-{method}", "model": "digits_cnn", "dataset": "digits", "method": method,
+            "min_workers": args.workers, "max_workers": args.workers, "steps": args.steps,
+            "batch_size": 32, "lr": 0.05, "checkpoint_every_steps": args.steps, "max_failures": 0,
+        }  # fmt: skip
+        if method == "tail":
+            # The demo shows what compression does. Its workers share this host, where the
+            # link-aware switch would (rightly) pick plain all-reduce: pin compression on.
+            spec["compression"] = {"link_aware": False}
+        job = api.post("/v1/jobs", spec)
+        print(f"submitted {job['id']} ({method}); watch it at {api.url}/#job={job['id']}")
+        job = _follow(api, job["id"], method, args.steps, stack.watch)
+        summary = api.get(f"/v1/jobs/{job['id']}/metrics/summary")
+        result = _result_line(api.get(f"/v1/jobs/{job['id']}/logs")["logs"])
+        if job["status"] != "SUCCEEDED":
+            print(f"  {method}: {job['status']}: {job['message'][-300:]}")
+        results[method] = (job, summary, result)
+    print()
+    print(_demo_table(results))
 
 
 def _demo_table(results: dict[str, tuple[dict, dict, dict]]) -> str:
@@ -347,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     def stack_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1 (0: any free one)")
         p.add_argument(
-            "--db", default=str(HOME / "service.sqlite"), help="SQLite file (default: %(default)s)"
+            "--db", help=f"SQLite file (default: {home_dir() / 'service.sqlite'}; TAIL_RAY_HOME moves it)"
         )
         p.add_argument(
             "--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs the local Ray head offers"
@@ -358,8 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--ray-dashboard-url", default="http://127.0.0.1:8265", help="its job server, with --ray-address"
         )
+        p.add_argument(
+            "--python",
+            help="the interpreter jobs run with (default: this one with a local head; with --ray-address,"
+            " `python` on the cluster's PATH)",
+        )
 
-    up = sub.add_parser("up", help="start a local Ray head and the service; Ctrl-C stops both")
+    up = sub.add_parser(
+        "up",
+        help="a local Ray head and the service (restarted if it dies); Ctrl-C, SIGTERM, SIGHUP stop both",
+        description="Compile the codec's kernels into the shared cache (as `tail-ray warmup`; seconds once"
+        " cached), start a loopback-only Ray head and the service on 127.0.0.1, and supervise them: a"
+        " service that dies is restarted (Ray and its jobs keep running). Ctrl-C, SIGTERM or SIGHUP"
+        " stops the service, then Ray. One `up` per TAIL_RAY_HOME (default ~/.tail_ray).",
+    )
     stack_options(up)
     up.set_defaults(func=cmd_up)
     demo = sub.add_parser("demo", help="up, then digits with 'tail' and with 'none', compared side by side")
@@ -383,6 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="print a job's driver log")
     logs.add_argument("job_id")
     logs.set_defaults(func=cmd_logs)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile the codec's kernels once into the shared cache (up and demo do it themselves)",
+        description="Compile every numba kernel of tail_ray into the cache that every process on this "
+        "machine reads ($NUMBA_CACHE_DIR, else ~/.tail_ray/numba-cache), so that no Ray worker spends "
+        "its first step compiling. Takes about a minute the first time, seconds afterwards.",
+    )
+    warm.add_argument(
+        "--max-world",
+        type=int,
+        default=DEFAULT_MAX_WORLD,
+        help="compile the rank means up to this many ranks (default: %(default)s)",
+    )
+    warm.set_defaults(func=cmd_warmup)
     return parser
 
 
@@ -394,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
-    except CliError as exc:
+    except (CliError, OSError) as exc:
         print(f"tail-ray: {exc}", file=sys.stderr)
         return EXIT_API
     except RuntimeError as exc:  # a Ray head that would not start

@@ -13,6 +13,7 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.errors import Forbidden, JobNotFound, Unauthorized
+from service.exposure import arrived_beyond_loopback
 from service.ingester import Ingester
 from service.live import LiveMetrics
 from service.ray_client import RayGateway
@@ -75,9 +76,13 @@ def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
     _check_token(settings, credentials)
 
 
-def guard_reads(settings: SettingsDep, credentials: BearerDep) -> None:
-    """Read routes: open unless ``read_requires_token`` is set."""
-    if settings.read_requires_token:
+def guard_reads(request: Request, settings: SettingsDep, credentials: BearerDep) -> None:
+    """Read routes: open on loopback, guarded when the request came in beyond loopback (the
+    service is bound to a network address) or ``read_requires_token`` says so."""
+    required = settings.read_requires_token
+    if required is None:
+        required = arrived_beyond_loopback(request.scope)
+    if required:
         _check_token(settings, credentials)
 
 
@@ -92,3 +97,9 @@ def load_job(job_id: JobIdPath, storage: StorageDep) -> JobRow:
 
 
 JobDep = Annotated[JobRow, Depends(load_job)]
+
+
+async def check_token_of(request: Request) -> None:
+    """``require_token`` on a bare request: ``routing.AuthFirstRoute`` runs it before FastAPI
+    reads the body (and so before any dependency)."""
+    _check_token(get_settings(request), await _bearer(request))

@@ -3,7 +3,10 @@
 Two duties, one loop (``run_forever``), each step a plain blocking method the tests can call:
 
 - ``sync_jobs``: list Ray's jobs; add the ones submitted by hand (`ray job submit -- python
-  -m jobs.train ...`), and copy status changes of the ones we know.
+  -m jobs.train ...`), copy status changes of the ones we know, and reconcile the rest: a job
+  we hold as not ended that Ray has not known for ``lost_after_s`` is marked FAILED, with a
+  message saying it was lost and when (its cluster was restarted or replaced). A job we asked
+  to stop reads STOPPING until Ray says it ended. Runs on start and every ``sync_interval_s``.
 - ``drain``: for each job not yet drained, read its sink from the stored cursor in pages of
   ``ingest_batch_records`` (reads in flight while earlier pages are stored) and persist each
   page with its new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
@@ -27,10 +30,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from service.errors import RayUnavailable
-from service.ray_client import RayGateway, name_from_entrypoint
+from service.errors import JobNotFound, RayUnavailable
+from service.ray_client import RayGateway, RayJob, name_from_entrypoint
 from service.settings import Settings
-from service.storage import IngestBatch, JobRow, Storage
+from service.storage import STOPPING, TERMINAL, IngestBatch, JobRow, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class Ingester:
         self.stored_records = 0  # by this process (a replica that is not the leader stores none)
         self._last_sync = 0.0
         self._last_retention = 0.0
+        self._unknown_since: dict[str, float] = {}  # job id -> monotonic time Ray first lacked it
 
     @property
     def is_leader(self) -> bool:
@@ -68,7 +72,8 @@ class Ingester:
     def sync_jobs(self) -> int:
         """Copy Ray's view of train jobs into storage; returns how many jobs were new."""
         added = 0
-        for job in self.ray.list_train_jobs():
+        ray_jobs = self.ray.list_train_jobs()
+        for job in ray_jobs:
             row = self.storage.get_job(job.submission_id)
             if row is None:
                 added += self.storage.insert_job(
@@ -84,13 +89,56 @@ class Ingester:
                 self.storage.update_job_status(
                     job.submission_id, job.status, None, job.start_time_s, job.end_time_s
                 )
+            elif row.status == STOPPING and job.status not in TERMINAL:
+                continue  # asked to stop; Ray has not finished stopping it yet
             elif (row.status, row.message, row.ended_at) != (job.status, job.message, job.end_time_s):
                 self.storage.update_job_status(
                     job.submission_id, job.status, job.message, job.start_time_s, job.end_time_s
                 )
         if added:
             logger.info("found %d job(s) submitted outside the service", added)
+        self.reconcile_lost({job.submission_id for job in ray_jobs})
         return added
+
+    def reconcile_lost(self, known_to_ray: set[str]) -> list[str]:
+        """Mark FAILED every job we hold as not ended that Ray has lacked for ``lost_after_s``;
+        returns their ids. The grace covers a job inserted a moment before its submission
+        reached Ray. Ray is asked once more for each before it is declared lost."""
+        now = time.monotonic()
+        grace_s = self.settings.lost_after_s
+        lost = []
+        for job_id in self.storage.job_ids(terminal=False):
+            if job_id in known_to_ray:
+                self._unknown_since.pop(job_id, None)
+                continue
+            since = self._unknown_since.setdefault(job_id, now)
+            row = self.storage.get_job(job_id)
+            if row is None or now - since < grace_s or time.time() - row.created_at < grace_s:
+                continue
+            try:
+                job = self.ray.job(job_id)
+            except JobNotFound:
+                self.mark_lost(job_id, row.status)
+                lost.append(job_id)
+            else:
+                self._copy_status(job)
+            self._unknown_since.pop(job_id, None)
+        return lost
+
+    def mark_lost(self, job_id: str, last_status: str) -> None:
+        checked = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+        message = (
+            f"lost: Ray has no record of this job (checked {checked}; it was {last_status} here). "
+            "The Ray cluster it ran on was restarted or replaced; the metrics stored until then "
+            "are kept, and whatever its metrics sink still holds is read."
+        )
+        self.storage.update_job_status(job_id, "FAILED", message, None, time.time())
+        logger.warning("job %s: %s", job_id, message)
+
+    def _copy_status(self, job: RayJob) -> None:
+        self.storage.update_job_status(
+            job.submission_id, job.status, job.message, job.start_time_s, job.end_time_s
+        )
 
     # ------------------------------------------------------------ metrics
     def drain(self) -> int:

@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.errors import install_error_handlers
+from service.exposure import HostAllowList
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
 from service.live import LiveMetrics
@@ -66,7 +67,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s
+    )
+    app.add_middleware(HostAllowList, allowed_hosts=settings.allowed_hosts)  # outermost: checked first
     app.include_router(jobs.router)
     app.include_router(metrics.router)
     app.include_router(metrics.prometheus_router)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from tail_ray.runner.config import METHODS, OPTIMIZERS, JobConfig
+from tail_ray.methods import METHODS
+from tail_ray.runner.config import OPTIMIZERS, JobConfig
 from tail_ray.runner.datasets import dataset_names
 from tail_ray.runner.models import model_names
 from tail_ray.runner.trainer import validate_job
@@ -42,15 +44,23 @@ JobName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{
 SettingKey = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,39}$")]
 SettingText = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{0,64}$")]
 SettingValue = bool | int | float | SettingText
+MAX_SETTING_INT = 2**53
 
 TERMINAL_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
-JobStatus = Literal["PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"]
+JobStatus = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
 
 
 class JobCreate(BaseModel):
-    """A declarative training job. Fields mirror ``JobConfig``; see docs/service.md."""
+    """A declarative training job. Fields mirror ``JobConfig``; see docs/service.md.
 
-    model_config = ConfigDict(extra="forbid", use_enum_values=True)
+    Numbers are strict: a bool or a string is never taken for a number (``"steps": true`` or
+    ``"steps": "40"`` is a 422, not a 1- or 40-step job); an integer is a valid float, a float
+    is not a valid integer. ``allow_inf_nan=False`` rejects NaN and +-Infinity everywhere,
+    compression settings included (Python's JSON parser accepts them, and ``1e400``
+    overflows to Infinity).
+    """
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=True, allow_inf_nan=False)
 
     name: JobName = "digits-tail"
     model: ModelName = "digits_cnn"  # type: ignore[assignment]
@@ -59,24 +69,45 @@ class JobCreate(BaseModel):
     compression: dict[SettingKey, SettingValue] = Field(
         default_factory=dict, max_length=16, description="Settings of the compression method."
     )
-    min_workers: int = Field(2, ge=1, le=64)
-    max_workers: int = Field(2, ge=1, le=64)
-    cpus_per_worker: float = Field(1.0, gt=0, le=64)
-    gpus_per_worker: float = Field(0.0, ge=0, le=8)
-    steps: int = Field(200, ge=1, le=1_000_000)
-    batch_size: int = Field(32, ge=1, le=65_536, description="Per worker.")
-    lr: float = Field(0.05, gt=0, le=10)
+    min_workers: int = Field(2, ge=1, le=64, strict=True)
+    max_workers: int = Field(2, ge=1, le=64, strict=True)
+    cpus_per_worker: float = Field(1.0, gt=0, le=64, strict=True)
+    gpus_per_worker: float = Field(0.0, ge=0, le=8, strict=True)
+    steps: int = Field(200, ge=1, le=1_000_000, strict=True)
+    batch_size: int = Field(32, ge=1, le=65_536, description="Per worker.", strict=True)
+    lr: float = Field(0.05, gt=0, le=10, strict=True)
     optimizer: Optimizer = "sgd"  # type: ignore[assignment]
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
-    weight_decay: float = Field(0.0, ge=0, le=1)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.", strict=True)
+    weight_decay: float = Field(0.0, ge=0, le=1, strict=True)
     lr_drop_at: float = Field(
-        0.75, gt=0, le=1, description="Fraction of steps after which lr is multiplied by lr_drop_factor."
+        0.75,
+        gt=0,
+        le=1,
+        strict=True,
+        description="Fraction of steps after which lr is multiplied by lr_drop_factor.",
     )
-    lr_drop_factor: float = Field(0.1, gt=0, le=1)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000)
-    metrics_every_steps: int = Field(1, ge=1, le=10_000)
-    max_failures: int = Field(3, ge=-1, le=100, description="-1: retry forever.")
+    lr_drop_factor: float = Field(0.1, gt=0, le=1, strict=True)
+    seed: int = Field(0, ge=0, le=2**31 - 1, strict=True)
+    checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000, strict=True)
+    metrics_every_steps: int = Field(1, ge=1, le=10_000, strict=True)
+    max_failures: int = Field(3, ge=-1, le=100, description="-1: retry forever.", strict=True)
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _bounded_settings(cls, value: Any) -> Any:
+        # One clear error for a non-finite or huge number, where the value union would list
+        # one failure per member type (bool, int, float, str). Integers are bounded like every
+        # other field: +-2**53 is exact in any JSON client and keeps the entrypoint short.
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ValueError(f"compression setting {key!r} must be a finite number, got {item}")
+                if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_SETTING_INT:
+                    raise ValueError(
+                        f"compression setting {key!r} must be an integer within +-2**53, "
+                        f"got one of {item.bit_length()} bits"
+                    )
+        return value
 
     @model_validator(mode="after")
     def _workers_ordered(self) -> JobCreate:
@@ -103,8 +134,8 @@ class JobCreate(BaseModel):
             validate_job(cfg)
         return cfg
 
-    def entrypoint(self) -> str:
-        args = ["python", "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
+    def entrypoint(self, python: str = "python") -> str:
+        args = [python, "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
         for item in self.overrides():
             args += ["--set", item]
         return shlex.join(args)

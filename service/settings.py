@@ -7,9 +7,10 @@ else in the service reads the environment.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.storage import RetentionPolicy, parse_storage_url
 
@@ -18,7 +19,9 @@ DEFAULT_HOME = Path.home() / ".tail_ray"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TAIL_RAY_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TAIL_RAY_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     # --- the service's own API ---
     api_token: SecretStr = Field(
@@ -26,7 +29,20 @@ class Settings(BaseSettings):
         "`tail-ray up` generates one).",
         min_length=16,
     )
-    read_requires_token: bool = Field(False, description="Guard GET routes with the token too.")
+    read_requires_token: bool | None = Field(
+        None,
+        description="Guard GET routes with the token too. Unset: only requests that reach the "
+        "service on an address beyond loopback need it (a service bound to 0.0.0.0 guards its "
+        "reads; `tail-ray up`, on 127.0.0.1, leaves the local dashboard open). false: never, for a "
+        "service behind an authenticating proxy. The job logs route needs the token always.",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.1", "localhost", "::1"],
+        description="Host header names the service answers (comma-separated in "
+        "TAIL_RAY_ALLOWED_HOSTS; '*' allows any). Loopback names by default, so a web page cannot "
+        "read the local service by DNS rebinding; a deployment lists its own names. The "
+        "/healthz and /readyz probes answer any Host.",
+    )
 
     # --- storage ---
     db_path: Path = Field(
@@ -51,9 +67,21 @@ class Settings(BaseSettings):
     ray_address: str = Field("auto", description="GCS address the service's driver connects to.")
     ray_dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray job server (dashboard) URL.")
     ray_auth_token: SecretStr | None = Field(
-        None, description="The Ray cluster's token; when unset it is read from ray_auth_token_path."
+        None,
+        # RAY_AUTH_TOKEN too: Ray's own clients in this process use it, so the service must
+        # know it to scrub it from what it returns and logs.
+        validation_alias=AliasChoices("TAIL_RAY_RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN"),
+        description="The Ray cluster's token (TAIL_RAY_RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN); when "
+        "unset it is read from ray_auth_token_path.",
     )
     ray_auth_token_path: Path = Path.home() / ".ray" / "auth_token"
+    job_python: str = Field(
+        "python",
+        description="The interpreter in each job's entrypoint (`<job_python> -m jobs.train ...`). "
+        "`tail-ray up` with a local head sets the one it runs under; with a remote cluster, name "
+        "the cluster's (`tail-ray up --python`), else its PATH decides.",
+        pattern=r"^[A-Za-z0-9_./+-]{1,255}$",
+    )
     job_working_dir: Path | None = Field(
         REPO_ROOT,
         description="Directory shipped as the job's runtime_env working_dir (holds jobs/ and "
@@ -70,15 +98,42 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(5.0, ge=0, le=600)
     close_drained_sinks: bool = True
     ray_timeout_s: float = Field(10.0, gt=0, le=120)
+    lost_after_s: float = Field(
+        10.0,
+        gt=0,
+        le=86_400,
+        description="A non-terminal job Ray has not known for this long (and that is at least this "
+        "old) is marked FAILED as lost: its cluster was restarted or replaced.",
+    )
 
     # --- requests ---
     max_body_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024, description="Larger bodies get 413.")
+    request_head_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="A request's headers must arrive within this (slowloris)."
+    )
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A request body that sends nothing for this long gets 408."
+    )
 
     # --- reads ---
     sse_interval_s: float = Field(1.0, gt=0, le=60)
     logs_max_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
     prometheus_max_jobs: int = Field(20, ge=1, le=1000)
     prometheus_max_layers: int = Field(64, ge=1, le=10_000)
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [h.strip() for h in value.split(",") if h.strip()]
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _normalize_hosts(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("list at least one host name (or '*')")
+        return [h.lower().strip("[]") for h in value]
 
     @field_validator("job_working_dir", mode="before")
     @classmethod

@@ -8,10 +8,11 @@ from fastapi.responses import JSONResponse
 
 from service.deps import RayDep, StorageDep
 from service.errors import RayUnavailable
+from service.routing import AuthFirstRoute
 from service.schemas import Health
 from service.storage import StorageError
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=AuthFirstRoute)
 
 
 @router.get("/healthz", operation_id="healthz")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, status
 
-from service.deps import JobDep, RayDep, SettingsDep, StorageDep, guard_reads, require_token
+from service.deps import IngesterDep, JobDep, RayDep, SettingsDep, StorageDep, guard_reads, require_token
 from service.errors import JobConflict, JobNotFound, RayUnavailable
+from service.routing import AuthFirstRoute
 from service.schemas import JobCreate, JobLogs, JobPublic, JobsPage
-from service.storage import JobRow
+from service.storage import STOPPING, TERMINAL, JobRow
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=AuthFirstRoute)
 
 
 def to_public(job: JobRow) -> JobPublic:
@@ -44,11 +46,11 @@ def _reload(storage: StorageDep, job_id: str) -> JobRow:
     dependencies=[Depends(require_token)],
     responses={503: {"description": "Ray did not take the job"}},
 )
-def create_job(spec: JobCreate, storage: StorageDep, ray: RayDep) -> JobPublic:
+def create_job(spec: JobCreate, storage: StorageDep, ray: RayDep, settings: SettingsDep) -> JobPublic:
     """Validate a job spec and hand it to Ray as `python -m jobs.train --set ...`."""
     spec.to_job_config()  # the runner's own checks; ConfigError -> 422
     job_id = f"tail-{uuid.uuid4().hex[:16]}"
-    entrypoint = spec.entrypoint()
+    entrypoint = spec.entrypoint(settings.job_python)
     storage.insert_job(
         job_id=job_id,
         name=spec.name,
@@ -87,23 +89,38 @@ def get_job(job: JobDep) -> JobPublic:
     dependencies=[Depends(require_token)],
     responses={409: {"description": "The job already ended"}, 503: {"description": "Ray unavailable"}},
 )
-def stop_job(job: JobDep, storage: StorageDep, ray: RayDep) -> JobPublic:
+def stop_job(job: JobDep, storage: StorageDep, ray: RayDep, ingester: IngesterDep) -> JobPublic:
+    """Ask Ray to stop the job. Stopping is asynchronous in Ray: the answer carries the state
+    Ray reports once asked, or STOPPING while Ray has not finished (the job then reads STOPPING
+    until Ray says it ended)."""
     if job.is_terminal:
         raise JobConflict(f"job {job.id} already ended ({job.status}); nothing to stop")
-    ray.stop(job.id)
+    try:
+        ray.stop(job.id)
+    except JobConflict:  # Ray does not know it: the job was lost with its cluster
+        ingester.mark_lost(job.id, job.status)
+        raise JobConflict(
+            f"Ray has no job {job.id!r}: it was lost with the cluster it ran on; marked FAILED"
+        ) from None
     now = ray.job(job.id)
-    storage.update_job_status(job.id, now.status, now.message, now.start_time_s, now.end_time_s)
+    if now.status in TERMINAL:
+        storage.update_job_status(job.id, now.status, now.message, now.start_time_s, now.end_time_s)
+    else:
+        asked = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+        message = f"stop requested at {asked}; Ray reported {now.status} and is stopping it"
+        storage.update_job_status(job.id, STOPPING, message, now.start_time_s)
     return to_public(_reload(storage, job.id))
 
 
 @router.get(
     "/{job_id}/logs",
     operation_id="get_job_logs",
-    dependencies=[Depends(guard_reads)],
+    # Always: driver output and the full entrypoint are no dashboard figures.
+    dependencies=[Depends(require_token)],
     responses={503: {"description": "Ray unavailable"}},
 )
 def get_job_logs(job: JobDep, ray: RayDep, settings: SettingsDep) -> JobLogs:
-    """The job driver's output from Ray (its tail, at most ``logs_max_bytes``)."""
+    """The job driver's output from Ray (its tail, at most ``logs_max_bytes``). Needs the token."""
     text = ray.logs(job.id)
     data = text.encode()
     truncated = len(data) > settings.logs_max_bytes

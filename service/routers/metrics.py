@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from service.deps import IngesterDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
+from service.errors import InvalidHeader
 from service.prometheus import render_prometheus
+from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepsPage
 from service.views import layers_view, steps_view, summary_view
 
-router = APIRouter(prefix="/v1/jobs/{job_id}/metrics", tags=["metrics"], dependencies=[Depends(guard_reads)])
-prometheus_router = APIRouter(tags=["metrics"])
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}/metrics",
+    tags=["metrics"],
+    dependencies=[Depends(guard_reads)],
+    route_class=AuthFirstRoute,
+)
+prometheus_router = APIRouter(tags=["metrics"], route_class=AuthFirstRoute)
 
-AfterStep = Annotated[int, Query(ge=-1, le=2**53, description="Only steps greater than this.")]
+# A step cursor: -1 (from the start) up to 2**53, which every JSON client (the dashboard is
+# JavaScript) holds exactly and SQLite's 64-bit integers hold with room to spare (an
+# unbounded cursor overflowed SQLite mid-stream).
+MAX_STEP = 2**53
+AfterStep = Annotated[int, Query(ge=-1, le=MAX_STEP, description="Only steps greater than this.")]
+# ASCII digits only: int() also reads other scripts' digits (and str.isdigit() passes "²").
+_STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 
 
 @router.get("/layers", operation_id="get_layer_metrics")
@@ -61,7 +75,13 @@ async def stream_metrics(
     live: LiveDep,
     request: Request,
     after_step: AfterStep = -1,
-    last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            description=f"The id of the last event received (a step, -1..{MAX_STEP}); browsers send it "
+            "on reconnect. Anything else is a 400."
+        ),
+    ] = None,
 ) -> StreamingResponse:
     """Server-sent events, what the dashboard draws: one `step` event per finished step (id: the
     step, data: a StepPoint), `newest` (the newest step so far, may still change), `summary` (a
@@ -69,13 +89,28 @@ async def stream_metrics(
     `end` once the job ended and its metrics are drained. Reconnects resume from
     ``Last-Event-ID`` (the last final step seen)."""
     start = after_step
-    if last_event_id is not None and last_event_id.lstrip("-").isdigit():
-        start = max(start, int(last_event_id))
+    resumed = parse_last_event_id(last_event_id)
+    if resumed is not None:
+        start = max(start, resumed)
     return StreamingResponse(
         live.events(job.id, start, request.is_disconnected),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def parse_last_event_id(value: str | None) -> int | None:
+    """The step a reconnecting client saw last; None when it sent none (an empty value is
+    none too: the SSE spec sends the header only for a non-empty id)."""
+    if not value:
+        return None
+    step = int(value) if _STEP_TEXT.fullmatch(value) else None
+    if step is None or not -1 <= step <= MAX_STEP:
+        raise InvalidHeader(
+            f"Last-Event-ID must be a step number in -1..{MAX_STEP} (the id of the last event "
+            f"received), got {value[:40]!r}"
+        )
+    return step
 
 
 @prometheus_router.get(

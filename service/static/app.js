@@ -10,7 +10,8 @@ const RETRY_MS = 3000; // reconnect delay after the stream drops
 const MAX_POINTS = 5000;
 
 const state = {
-  token: localStorage.getItem("tailRayToken") || "",
+  // The API token lives for this tab only (sessionStorage): asked once, never written to disk.
+  token: sessionStorage.getItem("tailRayToken") || "",
   jobId: null,
   jobs: new Map(), // id -> JobPublic, from the job list
   steps: new Map(), // step -> StepPoint
@@ -42,7 +43,8 @@ async function api(path) {
   const resp = await fetch(path, { headers });
   if (resp.status === 401 || resp.status === 403) {
     $("token-form").hidden = false;
-    throw new Error("this service guards reads: enter the API token");
+    throw new Error(state.token ? "the API token was not accepted: enter it again"
+                                : "this service guards reads: enter the API token");
   }
   if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
   return resp.json();
@@ -276,8 +278,10 @@ async function tick() {
 $("token-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   state.token = $("token").value.trim();
-  localStorage.setItem("tailRayToken", state.token);
+  sessionStorage.setItem("tailRayToken", state.token);
   $("token-form").hidden = true;
+  clearTimeout(state.timer);
+  tick();
 });
 
 const fromHash = new URLSearchParams(location.hash.slice(1)).get("job");

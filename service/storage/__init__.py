@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.storage.base import (
+    STOPPING,
     TERMINAL,
     IngestBatch,
     JobRow,
@@ -26,6 +27,7 @@ from service.storage.base import (
 )
 
 __all__ = [
+    "STOPPING",
     "TERMINAL",
     "IngestBatch",
     "JobRow",

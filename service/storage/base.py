@@ -18,6 +18,7 @@ from typing import Any
 from tail_ray.errors import TailError
 
 TERMINAL = ("STOPPED", "SUCCEEDED", "FAILED")
+STOPPING = "STOPPING"  # ours, not Ray's: a stop was asked for and Ray has not finished it
 
 
 class StorageError(TailError):

@@ -2,8 +2,9 @@
 
 Pure Python, no database: both backends store exactly these tuples. A malformed record is
 skipped and counted (it must not wedge the cursor); non-finite floats become NULL (JSON has
-no NaN, and a worker that measured 0/0 still sent a record worth keeping); integers outside
-SQL BIGINT are malformed (beyond it the whole batch would fail).
+no NaN, and a worker that measured 0/0 still sent a record worth keeping), and so does a share
+(density) outside [0, 1]; integers outside SQL BIGINT are malformed (beyond it the whole
+batch would fail).
 """
 
 from __future__ import annotations
@@ -37,12 +38,19 @@ def _real(value: Any) -> float | None:
     return real if math.isfinite(real) else None
 
 
+def _share(value: Any) -> float | None:
+    """A share (density) is stored only when in [0, 1]: outside it is a worker's bug, shown as
+    unknown rather than plotted."""
+    real = float(value)
+    return real if 0.0 <= real <= 1.0 else None
+
+
 # One explicit converter per kind: the column order is LAYER_COLUMNS / STEP_COLUMNS. Written
 # out rather than looped over field names, because this runs once per record at 100k records/s.
 def _layer_row(job_id: str, seq: int, r: dict[str, Any]) -> tuple[Any, ...]:
     return (
         job_id, seq, _int(r["step"]), _int(r["rank"]), str(r["layer"]), _int(r["numel"]),
-        _int(r["bits"]), _real(r["density"]), _int(r["raw_bytes"]), _int(r["encoded_bytes"]),
+        _int(r["bits"]), _share(r["density"]), _int(r["raw_bytes"]), _int(r["encoded_bytes"]),
         _real(r["ratio"]), _real(r["rel_error"]), str(r["code"]),
     )  # fmt: skip
 

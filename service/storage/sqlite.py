@@ -102,7 +102,12 @@ class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.exists():
+            self.path.parent.mkdir(mode=0o700, parents=True)
+        if not self.path.exists():
+            # Owner only: job specs, entrypoints and metrics. SQLite gives the -wal and -shm
+            # files the database file's mode.
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
         self._write_lock = threading.Lock()  # the one writer connection, one transaction at a time
         self._pool_lock = threading.Lock()  # the reader free list (never held while reading)
         self._free_readers: list[sqlite3.Connection] = []

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tail_ray.bitwidth.policy import BudgetPolicy
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
 

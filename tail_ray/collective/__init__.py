@@ -1,29 +1,43 @@
-"""The collective wrapper: variable-size all-gather transport, the DDP comm hook and its state.
+"""The collective wrapper: DDP comm hooks per method family, their states, the method table, transport.
 
 Public API (see docs/collective.md):
-    register_tail_hook(ddp_model, method="tail", config=None, process_group=None) -> TailHookState
+    register_tail_hook(ddp_model, method="tail", config=None, process_group=None) -> HookState
     make_hook_state(model, method, config) + compress_gradients_locally(state, model)  (world size 1)
-    TailHookState.drain_metrics() -> HookStepMetrics
+    HookState.drain_metrics() -> HookStepMetrics
+    METHOD_SPECS / method_spec(method): what each method runs
 """
 
+from tail_ray.collective.allreduce import AllReduceState
+from tail_ray.collective.methods import METHOD_SPECS, MethodSpec, method_spec
+from tail_ray.collective.metrics import HookStepMetrics
+from tail_ray.collective.payload import PayloadHookState
+from tail_ray.collective.powersgd import PowerSGDHookState
 from tail_ray.collective.register import (
     compress_gradients_locally,
     hook_for,
     make_hook_state,
     register_tail_hook,
 )
-from tail_ray.collective.state import METHODS, HookStepMetrics, TailHookState
+from tail_ray.collective.state import HookState
 from tail_ray.collective.transport import GatherTraffic, all_gather_bytes, ring_allreduce_bytes
+from tail_ray.methods import METHODS, Method
 
 __all__ = [
     "METHODS",
+    "METHOD_SPECS",
+    "AllReduceState",
     "GatherTraffic",
+    "HookState",
     "HookStepMetrics",
-    "TailHookState",
+    "Method",
+    "MethodSpec",
+    "PayloadHookState",
+    "PowerSGDHookState",
     "all_gather_bytes",
     "compress_gradients_locally",
     "hook_for",
     "make_hook_state",
+    "method_spec",
     "register_tail_hook",
     "ring_allreduce_bytes",
 ]

@@ -1,4 +1,4 @@
-"""One switch, one place: method name -> hook state + DDP comm hook.
+"""The public entry points: method name -> hook state + DDP comm hook, all read from the method table.
 
     state = register_tail_hook(ddp_model, method="tail", config={...})
     ...  # each step: loss.backward(); optimizer.step(); metrics = state.drain_metrics()
@@ -11,90 +11,53 @@ With one worker there is no DDP wrapper (Ray's prepare_model returns the bare mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tail_ray.collective.builtin import (
-    allreduce_peer_hook,
-    check_no_settings,
-    local_cast_round_trip,
-    local_powersgd_round_trip,
-    make_powersgd_state,
-    powersgd_peer_hook,
-)
-from tail_ray.collective.gate import split_gate_settings
-from tail_ray.collective.hook import local_round_trip, tail_hook
-from tail_ray.collective.state import (
-    ALLREDUCE_METHODS,
-    COMPRESSOR_METHODS,
-    METHODS,
-    POWERSGD_METHOD,
-    TailHookState,
-)
-from tail_ray.compression.registry import make_compressor
+from tail_ray.collective.methods import Hook, method_spec
+from tail_ray.collective.state import HookState, unwrap
 from tail_ray.errors import ConfigError
-
-Hook = Callable[[TailHookState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-def _check_config(method: str, config: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not isinstance(method, str) or method not in METHODS:
-        raise ConfigError(f"unknown compression method {method!r}; choose one of {list(METHODS)}")
-    if config is None:
-        return {}
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"config must be a mapping of settings for {method!r}, got {type(config).__name__}")
-    return dict(config)
+from tail_ray.methods import Method
 
 
 def make_hook_state(
     model: nn.Module,
-    method: str = "tail",
+    method: Method | str = Method.TAIL,
     config: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> TailHookState:
+) -> HookState:
     """Build (and validate) the state for ``method`` without registering anything."""
-    settings = _check_config(method, config)
-    if method in ALLREDUCE_METHODS:
-        check_no_settings(method, settings)
-        return TailHookState(method, model, process_group=process_group)
-    if method == POWERSGD_METHOD:
-        ps = make_powersgd_state(settings, process_group)
-        return TailHookState(method, model, settings=settings, powersgd=ps, process_group=process_group)
-    compressor_settings, gate = split_gate_settings(settings)
-    compressor = make_compressor(method, **compressor_settings)
-    return TailHookState(
-        method, model, settings=settings, compressor=compressor, process_group=process_group, gate=gate
-    )
+    spec = method_spec(method)
+    if config is not None and not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config must be a mapping of settings for {spec.method.value!r}, got {type(config).__name__}"
+        )
+    return spec.make_state(model, config, process_group)
 
 
-def hook_for(method: str) -> Hook:
-    if method in ALLREDUCE_METHODS:
-        return allreduce_peer_hook
-    if method == POWERSGD_METHOD:
-        return powersgd_peer_hook
-    if method in COMPRESSOR_METHODS:
-        return tail_hook
-    raise ConfigError(f"unknown compression method {method!r}; choose one of {list(METHODS)}")
+def hook_for(method: Method | str) -> Hook:
+    """The DDP comm hook of ``method`` (its state comes from ``make_hook_state``)."""
+    return method_spec(method).hook
 
 
 def register_tail_hook(
     ddp_model: nn.parallel.DistributedDataParallel | None,
-    method: str = "tail",
+    method: Method | str = Method.TAIL,
     config: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     *,
     model: nn.Module | None = None,
-) -> TailHookState:
+) -> HookState:
     """Register the comm hook of ``method`` on ``ddp_model``; return its state.
 
     ``method``: "none" (fp32 all-reduce), "fp16", "bf16" (PyTorch's cast hooks), "powersgd"
     (PyTorch's PowerSGD; config: rank, start_powerSGD_iter, ...), "qsgd", "topk", "tail"
-    (config passed to ``make_compressor``). ``process_group`` None means the default group.
+    (config: the compressor's settings, see ``make_compressor``). ``process_group`` None
+    means the default group.
 
     qsgd / topk / tail also take the link-aware switch's settings in ``config``:
     ``link_aware`` (default true: a step goes by plain all-reduce while that is measured to be
@@ -114,26 +77,20 @@ def register_tail_hook(
             "with one worker use make_hook_state + compress_gradients_locally"
         )
     state = make_hook_state(ddp_model, method, config, process_group)
-    ddp_model.register_comm_hook(state, hook_for(method))
+    ddp_model.register_comm_hook(state, hook_for(state.method))
     return state
 
 
-def compress_gradients_locally(state: TailHookState, model: nn.Module) -> None:
+def compress_gradients_locally(state: HookState, model: nn.Module) -> None:
     """World size 1: run the method's compress -> decompress round trip on ``model``'s grads in place.
 
     Call between ``backward()`` and ``optimizer.step()``. Same semantics (quantization noise,
     error feedback, low-rank approximation) and the same per-layer metrics as with DDP;
     bytes sent and received stay 0 as nothing is communicated.
     """
-    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    grads = [(n, p.grad) for n, p in module.named_parameters() if p.grad is not None]
+    grads = [(n, p.grad) for n, p in unwrap(model).named_parameters() if p.grad is not None]
     if not grads:
         return
     with torch.no_grad():
-        if state.method in ALLREDUCE_METHODS:
-            local_cast_round_trip(state, grads)
-        elif state.method == POWERSGD_METHOD:
-            local_powersgd_round_trip(state, grads)
-        else:
-            local_round_trip(state, grads)
+        method_spec(state.method).local_round_trip(state, grads)
     state.local_step += 1

@@ -4,10 +4,12 @@ One layer's compensated gradient g' = g + e is split into buckets of ``bucket_si
 elements; bucket k gets the scale s_k = max |g'| over the bucket, and every element maps to
 a signed integer level in [-L, L], L = 2^(bits-1) - 1, by stochastic rounding:
 
-    level = sign(x) * floor(|x| * L / s + u),   u ~ U[0, 1)
+    level = sign(x) * floor(|x| * (L / s) + u),   u ~ U[0, 1)
 
-which is unbiased (E[level * s / L] = x) and never leaves [-L, L]. Dequantization is
-``level * s / L``.
+which is unbiased (E[level * s / L] = x) and never leaves [-L, L]. Decoding is the grid's
+``float32(level) * step`` with step = s * (1 / L) (tail_ray/compression/grid.py holds L, the
+step and the reference dequantizer), and the new residual is e = g' - that decoded value,
+computed with the very same product: error feedback keeps exactly what the receiver lost.
 
 Speed: per bucket, three short loops that LLVM vectorizes (e <- g + e; an integer max-abs;
 the rounding, which also writes the new residual over e and counts non-zero levels), so the
@@ -16,6 +18,17 @@ uniforms come from a fixed table of 65,536 distinct 16-bit values read at a rand
 (splitmix64 of the per-call seed) for every chunk of 1,024 elements: a contiguous vector load
 instead of a per-element hash (64-bit multiplies do not vectorize well), 1.6x faster, and
 still exactly unbiased thanks to a random rotation per chunk.
+
+Same bits on every CPU: no kernel here is compiled with fastmath. Every float operation is
+rounded on its own (no fused multiply-add, whose use LLVM would decide per CPU: FMA machines
+rounded |x| * inv + u once, others twice, so a level could differ), and the only float sum,
+||new residual||^2, uses the fixed lane layout of ``fixedsum``. Integer max-abs and the
+non-zero count are exact in any order.
+
+Huge values stay finite: g + e saturates at float32's max (an overflow to inf would poison
+the scale and the residual), a bucket whose scale is so small that L / s would overflow
+(s < 2^-64, subnormal gradients) is scaled up by 2^64 first (exact), and the decoded value,
+the residual and their squares are finite for every finite input (see grid.py).
 
 Non-finite input: ``quantize_ef`` first checks the layer (one read of g, a float64 sum of
 squares that also gives the norm) and, when any element is NaN/Inf, returns without touching
@@ -30,9 +43,31 @@ import zlib
 import numpy as np
 from numba import njit
 
-# Flags that let LLVM reorder float reductions (so they vectorize) while keeping NaN/Inf
-# semantics, which the non-finite check relies on.
-_REDUCE_FLAGS = {"reassoc", "nsz", "arcp", "contract"}
+from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total, sum_squares
+from tail_ray.compression.grid import (
+    F32_MAX,
+    TINY_PRESCALE,
+    TINY_SCALE,
+    bucket_steps,
+    inverse_levels_max,
+    levels_max,
+    n_buckets,
+)
+
+__all__ = [
+    "UNIFORM_TABLE",
+    "bucket_steps",
+    "dequantize",
+    "layer_seed",
+    "levels_max",
+    "mean_dequantized_into",
+    "mean_into",
+    "n_buckets",
+    "quantize",
+    "quantize_ef",
+    "quantize_finite",
+    "sum_squares",
+]
 
 _U16 = 1.0 / (1 << 16)
 _TABLE_SIZE = 1 << 16
@@ -41,15 +76,6 @@ _CHUNK = 1024  # elements per random table offset
 # below 65536 is contiguous; see _round_bucket for how a window becomes uniforms.
 _TABLE = np.random.default_rng(0x7A11).permutation(_TABLE_SIZE).astype(np.uint16)
 UNIFORM_TABLE = np.concatenate([_TABLE, _TABLE])
-
-
-def levels_max(bits: int) -> int:
-    """L for ``bits``: the largest level magnitude (1 for 1 and 2 bits)."""
-    return (1 << (bits - 1)) - 1 if bits > 1 else 1
-
-
-def n_buckets(numel: int, bucket_size: int) -> int:
-    return -(-numel // bucket_size)
 
 
 def layer_seed(base_seed: int, step: int, name: str) -> int:
@@ -61,17 +87,7 @@ def layer_seed(base_seed: int, step: int, name: str) -> int:
     return h & 0xFFFFFFFF
 
 
-@njit(cache=True, nogil=True, fastmath=_REDUCE_FLAGS)
-def sum_squares(x: np.ndarray) -> float:
-    """Sum of squares in float64: NaN/Inf when any element is non-finite."""
-    acc = 0.0
-    for i in range(x.size):
-        v = np.float64(x[i])
-        acc += v * v
-    return acc
-
-
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True)
 def _absmax(x):  # type: ignore[no-untyped-def]
     # For non-negative floats the bit patterns order like the values, so the max-abs is an
     # integer max of (bits & 0x7FFFFFFF): LLVM vectorizes that, but not a float max.
@@ -90,41 +106,37 @@ def _splitmix(h):  # type: ignore[no-untyped-def]
     return z ^ (z >> np.uint64(31))
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _round_chunk(xb, lb, ub, rot, inv, step, lf, write_e):  # type: ignore[no-untyped-def]
+@njit(cache=True, nogil=True)
+def _round_chunk(xb, lb, ub, rot, pre, inv, step, lmax, write_e):  # type: ignore[no-untyped-def]
     """Stochastically round xb into levels lb with uniforms from table window ub, rotated by rot.
 
-    xb becomes the residual x - level * step when write_e. Returns the non-zero level count
-    (accumulated in float32, exact for chunks below 2^24, because an integer select-count
-    stops LLVM from vectorizing this loop) and the squared rounding error of the chunk.
+    y = (|x| * pre) * inv + u, each operation rounded (pre is 1, or 2^64 for a tiny scale);
+    level = sign(x) * min(floor(y), L). xb becomes the residual x - float32(level) * step
+    (the grid's decoded value) when write_e. Returns the non-zero level count.
     """
-    cnt = np.float32(0.0)
-    err = np.float32(0.0)
+    cnt = 0
     for i in range(xb.size):
         x = xb[i]
         u = np.float32(ub[i]) * np.float32(_U16) + rot
         u = u - np.float32(1.0) if u >= np.float32(1.0) else u
-        # Truncation equals floor here because the argument is >= 0.
-        q = np.float32(np.int32(abs(x) * inv + u))
-        q = min(q, lf)
-        cnt += min(q, np.float32(1.0))
+        # Truncation equals floor here because the argument is >= 0; y < L + 2, no overflow.
+        q = min(np.int32((abs(x) * pre) * inv + u), lmax)
+        cnt += min(q, np.int32(1))
         lv = q if x >= 0 else -q
-        lb[i] = np.int8(np.int32(lv))
-        r = x - lv * step
-        err += r * r
+        lb[i] = np.int8(lv)
         if write_e:
-            xb[i] = r
-    return np.int64(cnt), np.float64(err)
+            xb[i] = x - np.float32(lv) * step
+    return cnt
 
 
 @njit(cache=True, nogil=True)
-def _round_bucket(xb, lb, tab, h, inv, step, lf, write_e):  # type: ignore[no-untyped-def]
-    """Round one bucket chunk by chunk; each chunk reads the table at a fresh random offset.
-
-    ``h`` is the running splitmix64 state; returns (nnz, squared rounding error, new state).
-    """
+def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e):  # type: ignore[no-untyped-def]
+    """Round one bucket of scale m > 0 chunk by chunk; each chunk reads the table at a fresh
+    random offset. ``h`` is the running splitmix64 state; returns (nnz, new state)."""
+    pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
+    inv = np.float32(lmax) / (m * pre)
+    step = m * inv_l
     cnt = 0
-    err = 0.0
     for lo in range(0, xb.size, _CHUNK):
         hi = min(xb.size, lo + _CHUNK)
         h = h + np.uint64(0x9E3779B97F4A7C15)
@@ -134,26 +146,22 @@ def _round_bucket(xb, lb, tab, h, inv, step, lf, write_e):  # type: ignore[no-un
         # [0, 1) from the hash's top 24 bits (Cranley-Patterson): for any table entry t, u is
         # then uniform on [0, 1), so the rounding is unbiased whatever the table or offset.
         rot = np.float32(np.int64(z >> np.uint64(40))) * np.float32(1.0 / (1 << 24))
-        c, e2 = _round_chunk(xb[lo:hi], lb[lo:hi], tab[off : off + (hi - lo)], rot, inv, step, lf, write_e)
-        cnt += c
-        err += e2
-    return cnt, err, h
+        window = tab[off : off + (hi - lo)]
+        cnt += _round_chunk(xb[lo:hi], lb[lo:hi], window, rot, pre, inv, step, lmax, write_e)
+    return cnt, h
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """e <- g + e, quantized bucket by bucket; e ends as the new residual.
-
-    Returns (nnz, ||new residual||^2).
-
-    The caller guarantees g is finite (fastmath assumes it).
+@njit(cache=True, nogil=True)
+def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+    """e <- g + e (saturated at float32's max), quantized bucket by bucket; e ends as the new
+    residual. Returns (nnz, ||new residual||^2 in float64). The caller guarantees g is finite.
     """
     n = g.size
     nb = (n + bucket_size - 1) // bucket_size
-    lf = np.float32(lmax)
+    lm = np.int32(lmax)
     h = np.uint64(seed)
     nnz = 0
-    err = 0.0
+    lanes = np.zeros(LANES, np.float64)
     box = np.empty(1, np.int32)  # reinterprets the integer max as the float scale
     fbox = box.view(np.float32)
     for k in range(nb):
@@ -162,7 +170,7 @@ def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # ty
         gb = g[lo:hi]
         eb = e[lo:hi]
         for i in range(gb.size):
-            eb[i] = gb[i] + eb[i]
+            eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
         box[0] = _absmax(eb)
         m = fbox[0]
         scales[k] = m
@@ -170,21 +178,20 @@ def _quantize_ef_core(g, e, bucket_size, lmax, seed, levels, scales, tab):  # ty
         if m == 0:
             lb[:] = 0
             continue
-        cnt, e2, h = _round_bucket(eb, lb, tab, h, lf / m, m / lf, lf, True)
+        cnt, h = _round_bucket(eb, lb, tab, h, m, lm, inv_l, True)
         nnz += cnt
-        err += e2
-    return nnz, err
+        add_squares(eb, lanes)
+    return nnz, lanes_total(lanes)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _quantize_core(x, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """Quantize x (left unchanged) into levels and scales. Returns (nnz, squared error)."""
+@njit(cache=True, nogil=True)
+def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+    """Quantize x (left unchanged) into levels and scales. Returns nnz."""
     n = x.size
     nb = (n + bucket_size - 1) // bucket_size
-    lf = np.float32(lmax)
+    lm = np.int32(lmax)
     h = np.uint64(seed)
     nnz = 0
-    err = 0.0
     box = np.empty(1, np.int32)
     fbox = box.view(np.float32)
     for k in range(nb):
@@ -198,10 +205,9 @@ def _quantize_core(x, bucket_size, lmax, seed, levels, scales, tab):  # type: ig
         if m == 0:
             lb[:] = 0
             continue
-        cnt, e2, h = _round_bucket(xb, lb, tab, h, lf / m, m / lf, lf, False)
+        cnt, h = _round_bucket(xb, lb, tab, h, m, lm, inv_l, False)
         nnz += cnt
-        err += e2
-    return nnz, err
+    return nnz
 
 
 def quantize_finite(
@@ -216,14 +222,14 @@ def quantize_finite(
     """The kernel without the finiteness check, for callers that already ran ``sum_squares(g)``.
 
     Quantizes g (+ residual, which then becomes the new residual) into ``levels``/``scales``
-    and returns (non-zero level count, squared rounding error = ||new residual||^2 with error
-    feedback). g MUST be finite: the kernel assumes it.
+    and returns (non-zero level count, ||new residual||^2), the latter 0.0 without error
+    feedback. g MUST be finite (the residual always is: the kernel keeps it so).
     """
-    lmax = levels_max(bits)
+    lmax, inv_l = levels_max(bits), inverse_levels_max(bits)
     if residual is None:
-        nnz, err = _quantize_core(g, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
-    else:
-        nnz, err = _quantize_ef_core(g, residual, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
+        nnz = _quantize_core(g, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE)
+        return int(nnz), 0.0
+    nnz, err = _quantize_ef_core(g, residual, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE)
     return int(nnz), float(err)
 
 
@@ -233,7 +239,7 @@ def quantize(
     """Stochastically quantize ``x`` (no error feedback); fill ``levels``/``scales``; return nnz."""
     if not math.isfinite(float(sum_squares(x))):
         raise ValueError("quantize() needs finite input; send non-finite layers raw")
-    return int(_quantize_core(x, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE)[0])
+    return quantize_finite(x, None, bits, bucket_size, seed, levels, scales)[0]
 
 
 def quantize_ef(
@@ -253,23 +259,19 @@ def quantize_ef(
     ss = float(sum_squares(g))
     if not math.isfinite(ss):
         return -1, ss
-    nnz, _ = _quantize_ef_core(
-        g, residual, bucket_size, levels_max(bits), seed, levels, scales, UNIFORM_TABLE
-    )
-    return int(nnz), ss
+    nnz, _ = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
+    return nnz, ss
 
 
-@njit(cache=True, nogil=True, fastmath=True)
-def _dequantize_core(levels, scales, bucket_size, lmax, out):  # type: ignore[no-untyped-def]
+@njit(cache=True, nogil=True)
+def _dequantize_core(levels, steps, bucket_size, out):  # type: ignore[no-untyped-def]
+    """out[i] = float32(levels[i]) * steps[i // bucket_size]: one rounded multiply (grid.py)."""
     n = levels.size
     nb = (n + bucket_size - 1) // bucket_size
-    inv = np.float32(1.0) / np.float32(lmax)
     for k in range(nb):
         lo = k * bucket_size
         hi = min(n, lo + bucket_size)
-        # scale * (1 / L), written out: it is what fastmath made of the former scale / L (so
-        # decoded values are unchanged), and ``mean_dequantized_into`` must reproduce it exactly.
-        step = scales[k] * inv
+        step = steps[k]
         lb = levels[lo:hi]
         ob = out[lo:hi]
         for i in range(lb.size):
@@ -277,29 +279,33 @@ def _dequantize_core(levels, scales, bucket_size, lmax, out):  # type: ignore[no
 
 
 def dequantize(levels: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int) -> np.ndarray:
-    """``level * scale / L`` as a new flat float32 array."""
-    out = np.empty(levels.size, np.float32)
-    _dequantize_core(levels, scales.astype(np.float32, copy=False), bucket_size, levels_max(bits), out)
+    """The grid's ``float32(level) * (scale * (1 / L))`` as a new flat float32 array."""
+    lv = np.ascontiguousarray(levels).reshape(-1)
+    steps = bucket_steps(scales, bits)
+    if bucket_size < 1 or steps.size < n_buckets(lv.size, bucket_size):
+        raise ValueError(f"{steps.size} scales of bucket {bucket_size} for {lv.size} levels")
+    out = np.empty(lv.size, np.float32)
+    _dequantize_core(lv, steps, bucket_size, out)
     return out
 
 
-# Elements the fused mean works on at a time: its float32 accumulator stays in L1.
-_MEAN_TILE = 4096
+# Elements the fused mean works on at a time: its float64 accumulator stays in L1.
+_MEAN_TILE = 2048
 
 
 @njit(cache=True, nogil=True)
 def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out):  # type: ignore[no-untyped-def]
-    """out[i] = (sum over ranks r, in rank order, of levels_r[i] * steps_r[i // bucket_r]) / R.
+    """out[i] = float32((sum over ranks r, in rank order, of levels_r[i] * steps_r[i // bucket_r]) / R).
 
-    No fastmath on purpose: each product is rounded to float32 and added in rank order, then
-    divided by R, exactly as dequantize -> clone -> add_ -> div_ did (no FMA contraction, no
-    reciprocal for the division), so the mean is bit-identical to the unfused path.
-    ``levels_t`` / ``steps_t`` are tuples (one array per rank, no stacking copy).
+    The grid's arithmetic exactly: each product rounded to float32, widened to float64, added
+    in rank order, divided by R in float64, rounded to float32 (no fastmath: no FMA, no
+    reciprocal for the division). ``levels_t`` / ``steps_t`` are tuples (one array per rank,
+    no stacking copy).
     """
     n = out.size
     world = len(levels_t)
-    wf = np.float32(world)
-    buf = np.empty(_MEAN_TILE, np.float32)
+    wf = np.float64(world)
+    buf = np.empty(_MEAN_TILE, np.float64)
     lo = 0
     while lo < n:
         # The segment ends at the first bucket boundary of any rank (ranks may differ in
@@ -314,20 +320,14 @@ def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out):  # type: ignor
             lv = levels_t[r][lo:hi]
             if r == 0:
                 for i in range(m):
-                    buf[i] = np.float32(lv[i]) * st
+                    buf[i] = np.float64(np.float32(lv[i]) * st)
             else:
                 for i in range(m):
-                    buf[i] = buf[i] + np.float32(lv[i]) * st
+                    buf[i] = buf[i] + np.float64(np.float32(lv[i]) * st)
         ob = out[lo:hi]
         for i in range(m):
-            ob[i] = buf[i] / wf
+            ob[i] = np.float32(buf[i] / wf)
         lo = hi
-
-
-def bucket_steps(scales: np.ndarray, bits: int) -> np.ndarray:
-    """Per-bucket dequantization step ``scale * (1 / L)`` in float32, as ``dequantize`` uses."""
-    inv = np.float32(1.0) / np.float32(levels_max(bits))
-    return np.ascontiguousarray(scales, dtype=np.float32) * inv
 
 
 def mean_dequantized_into(
@@ -339,7 +339,7 @@ def mean_dequantized_into(
 ) -> None:
     """Write the mean over ranks of ``dequantize(levels_r, scales_r, bits_r, bucket_r)`` into
     ``out`` (float32, numel long) in one pass, with no per-rank float32 array: bit-identical to
-    dequantizing each rank, summing in rank order and dividing by the number of ranks.
+    ``grid.mean_reference`` of the dequantized ranks.
 
     Sizes are checked here (the kernel does no bounds checks): every ``levels_r`` must have
     ``out.size`` elements and ``scales_r`` one scale per bucket; a ValueError otherwise.
@@ -350,3 +350,39 @@ def mean_dequantized_into(
         if x.size != out.size or bs < 1 or s.size != n_buckets(out.size, bs):
             raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {out.size} elements")
     _mean_dequantized_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), out)
+
+
+@njit(cache=True, nogil=True)
+def _mean_core(values_t, out):  # type: ignore[no-untyped-def]
+    """out[i] = float32((sum over ranks, in rank order, of float64(values_r[i])) / R)."""
+    n = out.size
+    world = len(values_t)
+    wf = np.float64(world)
+    buf = np.empty(_MEAN_TILE, np.float64)
+    for lo in range(0, n, _MEAN_TILE):
+        hi = min(n, lo + _MEAN_TILE)
+        m = hi - lo
+        for r in range(world):
+            v = values_t[r][lo:hi]
+            if r == 0:
+                for i in range(m):
+                    buf[i] = np.float64(v[i])
+            else:
+                for i in range(m):
+                    buf[i] = buf[i] + np.float64(v[i])
+        ob = out[lo:hi]
+        for i in range(m):
+            ob[i] = np.float32(buf[i] / wf)
+
+
+def mean_into(values: list[np.ndarray], out: np.ndarray) -> None:
+    """The rank mean of float32 layers (raw, sparse or a mix of codes, already decoded) into
+    ``out``: the same arithmetic as the fused quantized mean (``grid.mean_reference``), so a
+    layer averages to the same bits whichever path it takes."""
+    vals = tuple(np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in values)
+    if not vals:
+        raise ValueError("the mean needs at least one rank")
+    for v in vals:
+        if v.size != out.size:
+            raise ValueError(f"{v.size} values for {out.size} elements")
+    _mean_core(vals, out)

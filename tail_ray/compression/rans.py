@@ -1,316 +1,103 @@
 # mypy: disable-error-code="assignment,return-value"
 # (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
-"""Static-model rANS entropy coder (numba), 4 interleaved 32-bit states, 16-bit renormalisation.
+"""The rANS coder: encode / decode symbols given an ``EntropyModel`` (numba, one thread).
 
-The model is an order-0 frequency table quantised to ``2**scale_bits`` (scale_bits 10..15) and
-sent in front of the stream in a compact Elias-gamma form. Encoding uses ryg's reciprocal trick
-(no division in the loop); decoding uses one slot table lookup per symbol. Interleaving four
-states hides the lookup latency.
+Four interleaved 32-bit states in [2**15, 2**31), 16-bit renormalisation. Encoding uses
+ryg's reciprocal trick (no division in the loop); decoding one slot-table lookup per symbol.
+Interleaving four states hides the lookup latency. The per-lane step is one inline helper
+(``_enc_step`` / ``_dec_step``) that numba splices into the 4-way unrolled loop at its IR
+level, so the loop compiles as it did when the four lanes were written out by hand.
 
 Stream layout (bytes): ``words u16le[n_words]`` where the first 8 words are the four final
 encoder states (the decoder's start states) and the rest are renormalisation words in decode
 order. A correctly decoded stream ends with every state back at ``RANS_L`` and every word
 consumed: the decoder checks both, which catches almost every corruption of the words.
 
-Every kernel returns a status (negative = error) instead of raising, so the caller names
-the layer and field; every read is bounds-checked explicitly.
+Kernels return a status (negative = error) instead of raising; the Python wrappers
+(``encode_stream`` / ``decode_stream``) turn it into a CodecError naming the layer and field.
+The model is the caller's (entropy_model.py): ``fit_model`` fits one for this coder's stream.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.entropy_model import EntropyModel, ModelFit
+from tail_ray.errors import CodecError
+
 RANS_L = 1 << 15  # states live in [RANS_L, RANS_L << 16) = [2**15, 2**31): reciprocals stay exact
-MIN_SCALE_BITS = 8
-MAX_SCALE_BITS = 15
 N_STATES = 4
 STATE_WORDS = 2 * N_STATES
+WORD_BITS = 16
 
 OK = 0
 ERR_TRUNCATED = -1  # fewer words than the decoder needs
 ERR_STATE = -2  # final states or word count do not match: the stream is corrupted
-ERR_TABLE = -3  # frequency table malformed (sum, range, escape)
-ERR_TABLE_TRUNCATED = -4  # frequency table runs past the bytes present
+ERR_TABLE = -3  # the model has more symbols than the decoder has output values
+
+# A stream may claim at most this many symbols per bit actually present, relative to its
+# model's cheapest symbol (``capacity_ok``): the encoder guarantees it, the decoder rejects
+# anything more before allocating.
+CAPACITY_FACTOR = 2.0
+CAPACITY_SLACK_BITS = 256.0
 
 
-# --------------------------------------------------------------------------- frequency model
+def fit_model(counts: np.ndarray) -> ModelFit:
+    """The model for ``counts`` at the precision that minimises table + this coder's stream."""
+    return EntropyModel.fit(counts, word_bits=WORD_BITS, fixed_words=STATE_WORDS)
 
 
-@njit(cache=True, nogil=True)
-def quantize_freqs(counts: np.ndarray, scale_bits: int, freqs: np.ndarray) -> int:  # pragma: no cover
-    """Scale ``counts`` to integer ``freqs`` summing to 2**scale_bits, every used symbol >= 1.
-
-    Rounds to nearest, then fixes the sum on the largest frequency when the error is small next
-    to it (the usual case), else greedily by the smallest code-length change. Returns the
-    number of used symbols, or ERR_TABLE when more symbols are used than the precision has slots.
-    """
-    m = 1 << scale_bits
-    total = 0
-    used = 0
-    for s in range(counts.size):
-        total += counts[s]
-        if counts[s] > 0:
-            used += 1
-    for s in range(freqs.size):
-        freqs[s] = 0
-    if used == 0:
-        return 0
-    if used > m:
-        return ERR_TABLE
-    fsum = 0
-    for s in range(counts.size):
-        c = counts[s]
-        if c > 0:
-            f = (2 * c * m + total) // (2 * total)
-            if f < 1:
-                f = 1
-            freqs[s] = f
-            fsum += f
-    # Common case: the rounding error is small next to the largest frequency, whose code
-    # length barely changes when it absorbs it (O(A) instead of the greedy O(A * error)).
-    big = 0
-    for s in range(counts.size):
-        if freqs[s] > freqs[big]:
-            big = s
-    if abs(m - fsum) * 8 <= freqs[big]:
-        freqs[big] += m - fsum
-        return used
-    while fsum < m:
-        best = -1
-        best_gain = -1.0
-        for s in range(counts.size):
-            if counts[s] > 0:
-                gain = counts[s] / (freqs[s] + 0.5)  # ~ counts * ln((f + 1) / f), no log
-                if gain > best_gain:
-                    best_gain = gain
-                    best = s
-        # A large shortfall (rare) closes in halving steps instead of one slot at a time.
-        step = m - fsum
-        step = step // 2 if step > 64 else 1
-        freqs[best] += step
-        fsum += step
-    while fsum > m:
-        best = -1
-        best_loss = np.inf
-        for s in range(counts.size):
-            if freqs[s] > 1:
-                loss = counts[s] / (freqs[s] - 0.5)  # ~ counts * ln(f / (f - 1)), no log
-                if loss < best_loss:
-                    best_loss = loss
-                    best = s
-        freqs[best] -= 1
-        fsum -= 1
-    return used
+def stream_bytes(model: EntropyModel, counts: np.ndarray) -> int:
+    """Estimated words of symbols with histogram ``counts`` under ``model``, in bytes (the
+    ideal code length rounded up to words, plus the states): within ~0.1% + 8 bytes."""
+    return 2 * (math.ceil(model.cost_bits(counts) / WORD_BITS) + STATE_WORDS)
 
 
-@njit(cache=True, nogil=True)
-def cost_bits(counts: np.ndarray, freqs: np.ndarray, scale_bits: int) -> float:  # pragma: no cover
-    """Ideal code length in bits of symbols with ``counts`` under the quantised ``freqs``."""
-    bits = 0.0
-    for s in range(counts.size):
-        if counts[s] > 0:
-            bits += counts[s] * (scale_bits - np.log2(freqs[s]))
-    return bits
+def capacity_ok(count: int, model: EntropyModel, n_words: int) -> bool:
+    """Whether ``count`` symbols fit in ``n_words`` words under ``model`` (CAPACITY_FACTOR)."""
+    min_cost = model.min_cost_bits
+    if min_cost == 0.0:  # one symbol carries all mass: decoded by a fill, no stream work
+        return True
+    return count * min_cost <= CAPACITY_FACTOR * WORD_BITS * n_words + CAPACITY_SLACK_BITS
 
 
-@njit(cache=True, nogil=True)
-def _bitlen(v: int) -> int:  # pragma: no cover - jit
-    n = 0
-    while v > 0:
-        v >>= 1
-        n += 1
-    return n
+def encode_stream(symbols: np.ndarray, offset: int, model: EntropyModel) -> tuple[bytes, int]:
+    """Code ``symbols + offset`` (each with a non-zero frequency): (u16le word bytes, n_words)."""
+    words = encode(symbols, offset, model.freqs, model.scale_bits)
+    return words.tobytes(), int(words.size)
 
 
-@njit(cache=True, nogil=True)
-def table_bits(freqs: np.ndarray) -> int:  # pragma: no cover - jit
-    """Exact size in bits of the table as ``write_table`` writes it (excluding the scale byte)."""
-    lo = -1
-    hi = -1
-    for s in range(freqs.size):
-        if freqs[s] > 0:
-            if lo < 0:
-                lo = s
-            hi = s
-    if lo < 0:
-        lo = 0
-        hi = 0
-    bits = 2 * _bitlen(lo + 1) - 1 + 2 * _bitlen(hi - lo + 1) - 1
-    for s in range(lo, hi):  # the last frequency is implied by the sum
-        bits += 2 * _bitlen(freqs[s] + 1) - 1
-    return bits
-
-
-@njit(cache=True, nogil=True)
-def write_table(freqs: np.ndarray, scale_bits: int, out: np.ndarray, pos: int) -> int:  # pragma: no cover
-    """Write ``scale_bits`` u8 then the Elias-gamma coded table at ``out[pos:]``; return end pos.
-
-    Table: gamma(lo + 1), gamma(hi - lo + 1), then gamma(f + 1) for s in [lo, hi) (f[hi] is
-    implied by the sum 2**scale_bits).
-    """
-    out[pos] = scale_bits
-    pos += 1
-    lo = -1
-    hi = -1
-    for s in range(freqs.size):
-        if freqs[s] > 0:
-            if lo < 0:
-                lo = s
-            hi = s
-    if lo < 0:  # no symbols: written as a one-symbol table the decoder never consults
-        lo = 0
-        hi = 0
-    acc = np.uint64(0)
-    nacc = 0
-    n_values = 2 + hi - lo
-    for k in range(n_values):
-        if k == 0:
-            v = lo + 1
-        elif k == 1:
-            v = hi - lo + 1
-        else:
-            v = freqs[lo + k - 2] + 1
-        nb = _bitlen(v)
-        # gamma, LSB-first: (nb - 1) zeros, a one, then the low nb - 1 bits of v
-        nacc += nb - 1
-        while nacc >= 8:
-            out[pos] = np.uint8(acc & np.uint64(0xFF))
-            acc >>= np.uint64(8)
-            nacc -= 8
-            pos += 1
-        acc |= np.uint64(1) << np.uint64(nacc)
-        nacc += 1
-        acc |= np.uint64(v & ((1 << (nb - 1)) - 1)) << np.uint64(nacc)
-        nacc += nb - 1
-        while nacc >= 8:
-            out[pos] = np.uint8(acc & np.uint64(0xFF))
-            acc >>= np.uint64(8)
-            nacc -= 8
-            pos += 1
-    if nacc > 0:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-        pos += 1
-    return pos
-
-
-@njit(cache=True, nogil=True)
-def read_table(
-    data: np.ndarray, pos: int, alphabet: int, freqs: np.ndarray
-) -> tuple[int, int]:  # pragma: no cover
-    """Parse a table written by ``write_table``; return (status, end pos), status = scale_bits or ERR_*.
-
-    Checks every bit against the bytes present, the symbol range against ``alphabet`` and the
-    sum against 2**scale_bits before the caller builds any decode table.
-    """
-    for s in range(freqs.size):
-        freqs[s] = 0
-    if pos >= data.size:
-        return ERR_TABLE_TRUNCATED, pos
-    scale_bits = np.int64(data[pos])
-    pos += 1
-    if scale_bits < MIN_SCALE_BITS or scale_bits > MAX_SCALE_BITS:
-        return ERR_TABLE, pos
-    m = 1 << scale_bits
-    acc = np.uint64(0)
-    nacc = 0
-    lo = -1
-    count = 0
-    k = 0
-    fsum = 0
-    n_values = 2
-    while k < n_values:
-        # read one gamma code: count zeros (at most 31), then nb - 1 value bits
-        zeros = 0
-        while True:
-            if nacc == 0:
-                if pos >= data.size:
-                    return ERR_TABLE_TRUNCATED, pos
-                acc = np.uint64(data[pos])
-                pos += 1
-                nacc = 8
-            bit = acc & np.uint64(1)
-            acc >>= np.uint64(1)
-            nacc -= 1
-            if bit:
-                break
-            zeros += 1
-            if zeros > 31:
-                return ERR_TABLE, pos
-        low = 0
-        for b in range(zeros):
-            if nacc == 0:
-                if pos >= data.size:
-                    return ERR_TABLE_TRUNCATED, pos
-                acc = np.uint64(data[pos])
-                pos += 1
-                nacc = 8
-            low |= int(acc & np.uint64(1)) << b
-            acc >>= np.uint64(1)
-            nacc -= 1
-        v = (1 << zeros) | low
-        if k == 0:
-            lo = v - 1
-            if lo >= alphabet:
-                return ERR_TABLE, pos
-        elif k == 1:
-            count = v
-            if lo + count > alphabet:
-                return ERR_TABLE, pos
-            n_values = 1 + count
-        else:
-            f = v - 1
-            if f > m:
-                return ERR_TABLE, pos
-            freqs[lo + k - 2] = f
-            fsum += f
-            if fsum > m:
-                return ERR_TABLE, pos
-        k += 1
-    last = m - fsum
-    if last < 1:
-        return ERR_TABLE, pos
-    freqs[lo + count - 1] = last
-    return scale_bits, pos
-
-
-MAX_ENCODE_SCALE_BITS = 13  # decode tables (2**13 slots) stay in L1; more buys < 0.1% here
-
-
-@njit(cache=True, nogil=True)
-def build_model(counts: np.ndarray, freqs_out: np.ndarray) -> tuple[int, int, float]:  # pragma: no cover
-    """Pick scale_bits minimising table + estimated stream; fill ``freqs_out``.
-
-    Returns (scale_bits, table_bytes incl. the scale byte, estimated stream bytes incl. table
-    and the state words). One call instead of a Python loop: small layers are dominated by
-    per-call overhead.
-    """
-    used = 0
-    for s in range(counts.size):
-        if counts[s] > 0:
-            used += 1
-    lo = MIN_SCALE_BITS
-    while (1 << (lo - 2)) < used and lo < MAX_ENCODE_SCALE_BITS:
-        lo += 1
-    if used > 32 and lo < 11:  # wide alphabets: coarse tables lose more than their header saves
-        lo = 11
-    trial = np.zeros(counts.size, dtype=np.int64)
-    best_scale = -1
-    best_table = 0
-    best_est = np.inf
-    for scale in range(lo, MAX_ENCODE_SCALE_BITS + 1):
-        if quantize_freqs(counts, scale, trial) < 0:
-            continue
-        table = 1 + (table_bits(trial) + 7) // 8
-        words = np.ceil(cost_bits(counts, trial, scale) / 16.0) + STATE_WORDS
-        est = table + 2.0 * words
-        if est < best_est:
-            best_est = est
-            best_scale = scale
-            best_table = table
-            for s in range(counts.size):
-                freqs_out[s] = trial[s]
-    return best_scale, best_table, best_est
+def decode_stream(
+    data: np.ndarray,
+    start: int,
+    n_words: int,
+    model: EntropyModel,
+    values: np.ndarray,
+    out: np.ndarray,
+    *,
+    layer: str | None,
+    field: str,
+) -> None:
+    """Decode ``out.size`` symbols from ``n_words`` words at ``data[start:]`` into
+    ``values[symbol]``; CodecError (naming ``field``) on anything wrong."""
+    if not capacity_ok(out.size, model, n_words):
+        raise CodecError(
+            f"{out.size} symbols cannot come from {n_words} words with this table", layer=layer, field=field
+        )
+    only = model.only_symbol
+    if only is not None:  # a single symbol: the stream holds only the states
+        if n_words != STATE_WORDS:
+            raise CodecError("single-symbol stream must hold only the states", layer=layer, field=field)
+        out[:] = values[only]
+        return
+    status = decode(data, start, n_words, model.freqs, model.scale_bits, values, out)
+    if status == ERR_TRUNCATED:
+        raise CodecError("entropy stream ends early", layer=layer, field=field)
+    if status < 0:
+        raise CodecError("entropy stream corrupted (final state check failed)", layer=layer, field=field)
 
 
 # --------------------------------------------------------------------------- encoder
@@ -343,13 +130,24 @@ def _enc_tables(freqs: np.ndarray, scale_bits: int) -> np.ndarray:  # pragma: no
     return tab
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _enc_step(x, s, xmax, rcp, rsh, bias, cmpl, out, pos):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Push symbol ``s`` onto state ``x``; return the new (x, pos). Branch-free renormalisation:
+    the low word is written always, and kept (pos moves down) only when the state overflows."""
+    fl = np.int64(x >= xmax[s])
+    out[pos - 1] = np.uint16(x & 0xFFFF)
+    pos -= fl
+    x >>= fl << 4
+    x = x + bias[s] + (((x * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+    return x, pos
+
+
 @njit(cache=True, nogil=True)
 def encode(
     symbols: np.ndarray, offset: int, freqs: np.ndarray, scale_bits: int
 ) -> np.ndarray:  # pragma: no cover
     """Encode ``symbols + offset`` (each must have freqs > 0); return the uint16 word stream.
 
-    Four states, manually inlined: numba's tuple-returning inline helper was 4x slower.
     Table indices are unsigned so numba emits no negative-index wraparound (30% faster).
     """
     n = symbols.size
@@ -367,55 +165,23 @@ def encode(
     x2 = RANS_L
     x3 = RANS_L
     n4 = n - (n & 3)
-    # Tail (positions n4..n-1 use states 0..2), in reverse.
-    for i in range(n - 1, n4 - 1, -1):
-        j = i - n4
-        if j == 0:
-            s = np.uint64(np.int64(symbols[i]) + offset)
-            fl = np.int64(x0 >= xmax[s])
-            out[pos - 1] = np.uint16(x0 & 0xFFFF)  # branch-free renormalisation: written always,
-            pos -= fl  # kept only when the state overflows
-            x0 >>= fl << 4
-            x0 = x0 + bias[s] + (((x0 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
-        elif j == 1:
-            s = np.uint64(np.int64(symbols[i]) + offset)
-            fl = np.int64(x1 >= xmax[s])
-            out[pos - 1] = np.uint16(x1 & 0xFFFF)  # branch-free renormalisation: written always,
-            pos -= fl  # kept only when the state overflows
-            x1 >>= fl << 4
-            x1 = x1 + bias[s] + (((x1 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+    for i in range(n - 1, n4 - 1, -1):  # the tail (positions n4.. use states 0..2), in reverse
+        s = np.uint64(np.int64(symbols[i]) + offset)
+        if i == n4:
+            x0, pos = _enc_step(x0, s, xmax, rcp, rsh, bias, cmpl, out, pos)
+        elif i == n4 + 1:
+            x1, pos = _enc_step(x1, s, xmax, rcp, rsh, bias, cmpl, out, pos)
         else:
-            s = np.uint64(np.int64(symbols[i]) + offset)
-            fl = np.int64(x2 >= xmax[s])
-            out[pos - 1] = np.uint16(x2 & 0xFFFF)  # branch-free renormalisation: written always,
-            pos -= fl  # kept only when the state overflows
-            x2 >>= fl << 4
-            x2 = x2 + bias[s] + (((x2 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+            x2, pos = _enc_step(x2, s, xmax, rcp, rsh, bias, cmpl, out, pos)
     for i in range(n4 - 4, -1, -4):
         s = np.uint64(np.int64(symbols[i + 3]) + offset)
-        fl = np.int64(x3 >= xmax[s])
-        out[pos - 1] = np.uint16(x3 & 0xFFFF)  # branch-free renormalisation: written always,
-        pos -= fl  # kept only when the state overflows
-        x3 >>= fl << 4
-        x3 = x3 + bias[s] + (((x3 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+        x3, pos = _enc_step(x3, s, xmax, rcp, rsh, bias, cmpl, out, pos)
         s = np.uint64(np.int64(symbols[i + 2]) + offset)
-        fl = np.int64(x2 >= xmax[s])
-        out[pos - 1] = np.uint16(x2 & 0xFFFF)  # branch-free renormalisation: written always,
-        pos -= fl  # kept only when the state overflows
-        x2 >>= fl << 4
-        x2 = x2 + bias[s] + (((x2 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+        x2, pos = _enc_step(x2, s, xmax, rcp, rsh, bias, cmpl, out, pos)
         s = np.uint64(np.int64(symbols[i + 1]) + offset)
-        fl = np.int64(x1 >= xmax[s])
-        out[pos - 1] = np.uint16(x1 & 0xFFFF)  # branch-free renormalisation: written always,
-        pos -= fl  # kept only when the state overflows
-        x1 >>= fl << 4
-        x1 = x1 + bias[s] + (((x1 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+        x1, pos = _enc_step(x1, s, xmax, rcp, rsh, bias, cmpl, out, pos)
         s = np.uint64(np.int64(symbols[i]) + offset)
-        fl = np.int64(x0 >= xmax[s])
-        out[pos - 1] = np.uint16(x0 & 0xFFFF)  # branch-free renormalisation: written always,
-        pos -= fl  # kept only when the state overflows
-        x0 >>= fl << 4
-        x0 = x0 + bias[s] + (((x0 * rcp[s]) >> 32) >> rsh[s]) * cmpl[s]
+        x0, pos = _enc_step(x0, s, xmax, rcp, rsh, bias, cmpl, out, pos)
     for x in (x3, x2, x1, x0):
         pos -= 1
         out[pos] = np.uint16(x >> 16)
@@ -448,6 +214,34 @@ def dec_tables(
     return val, fb
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _read_state(data, b):  # type: ignore[no-untyped-def]  # pragma: no cover - jit
+    """The u32le start state at data[b:b + 4] (the caller checked the bounds)."""
+    return (
+        np.int64(data[b])
+        | np.int64(data[b + 1]) << 8
+        | np.int64(data[b + 2]) << 16
+        | np.int64(data[b + 3]) << 24
+    )
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dec_step(x, sym, fb, mask, scale_bits, data, pos, last_word, out, i):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Pop one symbol of state ``x`` into ``out[i]``; return the new (x, pos). Branch-free
+    refill: the word is always loaded (from a clamped, in-bounds index) and kept only when the
+    state underflowed; overrunning the stream is detected after the loop."""
+    slot = np.uint64(x & mask)
+    out[i] = sym[slot]
+    e = np.int64(fb[slot])
+    x = (e & 0xFFFF) * (x >> scale_bits) + (e >> 16)
+    fl = np.int64(x < RANS_L)
+    q = np.uint64(pos if pos < last_word else last_word)
+    w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
+    x = (x << (fl << 4)) | (w & -fl)
+    pos += fl << 1
+    return x, pos
+
+
 @njit(cache=True, nogil=True)
 def decode(
     data: np.ndarray,
@@ -470,97 +264,31 @@ def decode(
         return ERR_TABLE
     sym, fb = dec_tables(freqs, scale_bits, values)
     mask = (1 << scale_bits) - 1
-    b = start
-    x0 = (
-        np.int64(data[b])
-        | np.int64(data[b + 1]) << 8
-        | np.int64(data[b + 2]) << 16
-        | np.int64(data[b + 3]) << 24
-    )
-    x1 = (
-        np.int64(data[b + 4])
-        | np.int64(data[b + 5]) << 8
-        | np.int64(data[b + 6]) << 16
-        | np.int64(data[b + 7]) << 24
-    )
-    x2 = (
-        np.int64(data[b + 8])
-        | np.int64(data[b + 9]) << 8
-        | np.int64(data[b + 10]) << 16
-        | np.int64(data[b + 11]) << 24
-    )
-    x3 = (
-        np.int64(data[b + 12])
-        | np.int64(data[b + 13]) << 8
-        | np.int64(data[b + 14]) << 16
-        | np.int64(data[b + 15]) << 24
-    )
+    x0 = _read_state(data, start)
+    x1 = _read_state(data, start + 4)
+    x2 = _read_state(data, start + 8)
+    x3 = _read_state(data, start + 12)
     for x in (x0, x1, x2, x3):
         if x < RANS_L or x >= (RANS_L << 16):
             return ERR_STATE
-    pos = b + 16
+    pos = start + 16
     end = start + 2 * n_words
     n4 = n - (n & 3)
-    # Branch-free refill: the word is always loaded (from a clamped, in-bounds index) and kept
-    # only when the state underflowed; overrunning the stream is detected after the loop.
     last_word = end - 2
     for i in range(0, n4, 4):
-        slot = np.uint64(x0 & mask)
-        out[i] = sym[slot]
-        e = np.int64(fb[slot])
-        x0 = (e & 0xFFFF) * (x0 >> scale_bits) + (e >> 16)
-        fl = np.int64(x0 < RANS_L)
-        q = np.uint64(pos if pos < last_word else last_word)
-        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
-        x0 = (x0 << (fl << 4)) | (w & -fl)
-        pos += fl << 1
-        slot = np.uint64(x1 & mask)
-        out[i + 1] = sym[slot]
-        e = np.int64(fb[slot])
-        x1 = (e & 0xFFFF) * (x1 >> scale_bits) + (e >> 16)
-        fl = np.int64(x1 < RANS_L)
-        q = np.uint64(pos if pos < last_word else last_word)
-        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
-        x1 = (x1 << (fl << 4)) | (w & -fl)
-        pos += fl << 1
-        slot = np.uint64(x2 & mask)
-        out[i + 2] = sym[slot]
-        e = np.int64(fb[slot])
-        x2 = (e & 0xFFFF) * (x2 >> scale_bits) + (e >> 16)
-        fl = np.int64(x2 < RANS_L)
-        q = np.uint64(pos if pos < last_word else last_word)
-        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
-        x2 = (x2 << (fl << 4)) | (w & -fl)
-        pos += fl << 1
-        slot = np.uint64(x3 & mask)
-        out[i + 3] = sym[slot]
-        e = np.int64(fb[slot])
-        x3 = (e & 0xFFFF) * (x3 >> scale_bits) + (e >> 16)
-        fl = np.int64(x3 < RANS_L)
-        q = np.uint64(pos if pos < last_word else last_word)
-        w = np.int64(data[q]) | np.int64(data[q + 1]) << 8
-        x3 = (x3 << (fl << 4)) | (w & -fl)
-        pos += fl << 1
-    if pos > end:
-        return ERR_TRUNCATED
-    for i in range(n4, n):
-        j = i - n4
-        x = x0 if j == 0 else (x1 if j == 1 else x2)
-        slot = np.uint64(x & mask)
-        out[i] = sym[slot]
-        e = np.int64(fb[slot])
-        x = (e & 0xFFFF) * (x >> scale_bits) + (e >> 16)
-        if x < RANS_L:
-            if pos >= end:
-                return ERR_TRUNCATED
-            x = (x << 16) | np.int64(data[pos]) | np.int64(data[pos + 1]) << 8
-            pos += 2
-        if j == 0:
-            x0 = x
-        elif j == 1:
-            x1 = x
+        x0, pos = _dec_step(x0, sym, fb, mask, scale_bits, data, pos, last_word, out, i)
+        x1, pos = _dec_step(x1, sym, fb, mask, scale_bits, data, pos, last_word, out, i + 1)
+        x2, pos = _dec_step(x2, sym, fb, mask, scale_bits, data, pos, last_word, out, i + 2)
+        x3, pos = _dec_step(x3, sym, fb, mask, scale_bits, data, pos, last_word, out, i + 3)
+    for i in range(n4, n):  # the last < 4 symbols use states 0..2
+        if i == n4:
+            x0, pos = _dec_step(x0, sym, fb, mask, scale_bits, data, pos, last_word, out, i)
+        elif i == n4 + 1:
+            x1, pos = _dec_step(x1, sym, fb, mask, scale_bits, data, pos, last_word, out, i)
         else:
-            x2 = x
+            x2, pos = _dec_step(x2, sym, fb, mask, scale_bits, data, pos, last_word, out, i)
+    if pos > end:  # a refill past the last word (it read a clamped, in-bounds word)
+        return ERR_TRUNCATED
     if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L or pos != end:
         return ERR_STATE
     return OK

@@ -1,42 +1,50 @@
-"""``make_compressor(name, **settings)``: one switch for Tail and its fixed-setting peers."""
+"""The compressor registry: one explicit table from name to settings class and constructor."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tail_ray.compression.base import Compressor
+from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig
+from tail_ray.compression.raw import RawCompressor
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.compression.topk import TopKCompressor, TopKConfig
 from tail_ray.errors import ConfigError
+from tail_ray.settings import NoSettings, settings_from_mapping
 
-_FACTORIES: dict[str, Callable[..., Compressor]] = {}
+
+@dataclass(frozen=True)
+class CompressorEntry:
+    """How to build one compressor: its frozen settings class and a constructor taking it."""
+
+    settings: type[Any]
+    build: Callable[[Any], Compressor]
 
 
-def register_compressor(name: str) -> Callable[[Callable[..., Compressor]], Callable[..., Compressor]]:
-    def deco(factory: Callable[..., Compressor]) -> Callable[..., Compressor]:
-        _FACTORIES[name] = factory
-        return factory
-
-    return deco
+COMPRESSORS: Mapping[str, CompressorEntry] = {
+    "none": CompressorEntry(NoSettings, lambda _: RawCompressor()),
+    "qsgd": CompressorEntry(QSGDConfig, QSGDCompressor),
+    "topk": CompressorEntry(TopKConfig, TopKCompressor),
+    "tail": CompressorEntry(TailConfig, TailCompressor),
+}
 
 
 def compressor_names() -> list[str]:
-    _load_builtin()
-    return sorted(_FACTORIES)
+    return sorted(COMPRESSORS)
+
+
+def compressor_entry(name: str) -> CompressorEntry:
+    """The table's entry for ``name``; an unknown name raises ``ConfigError`` listing the known."""
+    try:
+        return COMPRESSORS[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown compressor {name!r}; choose one of {compressor_names()}") from None
 
 
 def make_compressor(name: str, **settings: Any) -> Compressor:
     """Build a compressor by name; unknown names and settings raise ``ConfigError``."""
-    _load_builtin()
-    try:
-        factory = _FACTORIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown compressor {name!r}; choose one of {sorted(_FACTORIES)}") from None
-    try:
-        return factory(**settings)
-    except TypeError as exc:
-        raise ConfigError(f"bad settings for compressor {name!r}: {exc}") from None
-
-
-def _load_builtin() -> None:
-    # Imported lazily so that each peer stays in its own module and registers itself.
-    from tail_ray.compression import peers, qsgd, tail, topk  # noqa: F401
+    entry = compressor_entry(name)
+    config = settings_from_mapping(entry.settings, settings, what=f"compressor {name!r}")
+    return entry.build(config)

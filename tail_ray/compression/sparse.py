@@ -1,6 +1,6 @@
 # mypy: disable-error-code="assignment,return-value,arg-type"
 # (numba kernels: numpy scalars stand for machine ints inside @njit; numba types them, not mypy)
-"""Positions of non-zero levels as gaps: a small slot alphabet (entropy coded) + raw extra bits.
+"""The gap code of sparse positions: a small slot alphabet (entropy coded) + raw extra bits.
 
 A gap g (zeros before the next non-zero) is sent as u = g + 1 >= 1. Values 1..7 are slots 0..6
 with no extra bits; larger u with bit length b+1 (b >= 3) go to slot 7 + 4*(b-3) + the two
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.entropy import byte_histogram
+from tail_ray.compression.bitio import flush_bits, put_bits
 
 N_SLOTS = 123
 DIRECT_SLOTS = 7
@@ -26,11 +26,10 @@ OK = 0
 ERR_EXTRA_TRUNCATED = -1  # the raw extra-bit stream ends early
 ERR_POSITION = -2  # a gap runs past numel (or indices are not strictly increasing)
 ERR_SLOT = -3  # a slot symbol outside the alphabet
-ERR_LEVEL = -4  # a level outside [-L, L] given to the encoder
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _slot(u: int) -> tuple[int, int, int]:  # pragma: no cover - jit
+def gap_slot(u: int) -> tuple[int, int, int]:  # pragma: no cover - jit
     """(slot, n_extra_bits, extra_value) for u >= 1."""
     if u < 8:
         return u - 1, 0, 0
@@ -39,63 +38,6 @@ def _slot(u: int) -> tuple[int, int, int]:  # pragma: no cover - jit
         b += 1
     nx = b - 2
     return DIRECT_SLOTS + 4 * (b - 3) + ((u >> nx) & 3), nx, u & ((1 << nx) - 1)
-
-
-@njit(cache=True, nogil=True)
-def level_stats(
-    levels: np.ndarray, half: int, counts: np.ndarray, slot_counts: np.ndarray
-) -> tuple[int, int]:  # pragma: no cover - jit
-    """One fused pass: histogram of ``levels + half`` and of the gap slots of the non-zeros.
-
-    Returns (nnz, extra_bits), or (ERR_LEVEL, 0) when a level lies outside [-half, half]
-    (checked on the byte histogram, so any int8 input is safe). Four sub-histograms (one per
-    lane) break the store-to-load chains a peaked histogram would serialise on; small gaps
-    (u < 8, the common case for dense layers) are counted without a branch.
-    """
-    n = levels.size
-    h = byte_histogram(levels)
-    g = np.zeros((4, 8), dtype=np.int64)  # small-gap slots 0..6; 7 = zero or large gap (ignored)
-    for s in range(slot_counts.size):
-        slot_counts[s] = 0
-    last = -1
-    extra_bits = 0
-    n4 = n - (n & 3)
-    for i in range(0, n4, 4):
-        last_in = last
-        big = False
-        for k in range(4):
-            j = i + k
-            nz = levels[j] != 0
-            u = j - last
-            t = u - 1 if u < 8 else 7
-            g[k, t if nz else 7] += 1
-            big |= nz & (u >= 8)
-            last = j if nz else last
-        if big:  # rare for dense layers: count this group's large gaps exactly, off the hot path
-            last = last_in
-            for j in range(i, i + 4):
-                if levels[j] != 0:
-                    if j - last >= 8:
-                        sl, nx, _ = _slot(j - last)
-                        slot_counts[sl] += 1
-                        extra_bits += nx
-                    last = j
-    for j in range(n4, n):
-        if levels[j] != 0:
-            sl, nx, _ = _slot(j - last)
-            slot_counts[sl] += 1
-            extra_bits += nx
-            last = j
-    total = 0
-    for s in range(counts.size):
-        b = (s - half) & 0xFF
-        counts[s] = h[b]
-        total += counts[s]
-    if total != n:
-        return ERR_LEVEL, 0
-    for t in range(DIRECT_SLOTS):
-        slot_counts[t] += g[0, t] + g[1, t] + g[2, t] + g[3, t]
-    return n - counts[half], extra_bits
 
 
 @njit(cache=True, nogil=True)
@@ -123,22 +65,14 @@ def split_levels(
         ku = np.uint64(k)
         syms[ku] = lv + half - (lv > 0)
         if nz & (u >= 8):
-            sl, nx, xv = _slot(u)
+            sl, nx, xv = gap_slot(u)
             slots[ku] = sl
-            acc |= np.uint64(xv) << np.uint64(nacc)
-            nacc += nx
-            while nacc >= 8:
-                extra[epos] = np.uint8(acc & np.uint64(0xFF))
-                acc >>= np.uint64(8)
-                nacc -= 8
-                epos += 1
+            acc, nacc, epos = put_bits(acc, nacc, xv, nx, extra, epos)
         else:
             slots[ku] = u - 1
         k += nz
         last = i if nz else last
-    if nacc > 0:
-        extra[epos] = np.uint8(acc & np.uint64(0xFF))
-        epos += 1
+    epos = flush_bits(acc, nacc, extra, epos)
     return slots[:nnz], syms[:nnz], extra[:epos]
 
 
@@ -156,20 +90,12 @@ def index_slots(indices: np.ndarray, numel: int) -> tuple[int, np.ndarray, np.nd
         i = np.int64(indices[k])
         if i <= last or i >= numel:
             return ERR_POSITION, slots, extra[:0]
-        sl, nx, xv = _slot(i - last)
+        sl, nx, xv = gap_slot(i - last)
         last = i
         slots[k] = sl
         if nx:
-            acc |= np.uint64(xv) << np.uint64(nacc)
-            nacc += nx
-            while nacc >= 8:
-                extra[epos] = np.uint8(acc & np.uint64(0xFF))
-                acc >>= np.uint64(8)
-                nacc -= 8
-                epos += 1
-    if nacc > 0:
-        extra[epos] = np.uint8(acc & np.uint64(0xFF))
-        epos += 1
+            acc, nacc, epos = put_bits(acc, nacc, xv, nx, extra, epos)
+    epos = flush_bits(acc, nacc, extra, epos)
     return OK, slots, extra[:epos]
 
 

@@ -1,17 +1,16 @@
-"""TailCompressor: error feedback -> automatic per-layer bit-width -> stochastic quantization
--> (sparse / entropy) encoding, in one self-describing payload per call.
+"""TailCompressor: error feedback -> automatic per-layer bit-width -> stochastic quantization -> coding.
 
-Per layer (a named parameter tensor) and call:
-- small layers (< ``raw_below_numel`` elements: biases, norms) go raw fp32;
-- a layer with any NaN/Inf goes raw fp32 UNCHANGED (no residual added), so DDP and
-  GradScaler see exactly what plain DDP would (GradScaler skips the step), and the residual is
-  left as it was, unpolluted;
+One self-describing payload per call. Per layer (a named parameter tensor):
+- small and non-finite layers go raw fp32 (RecordCompressor's policy: a non-finite layer is
+  sent UNCHANGED and its residual left as it was, so DDP and GradScaler see what plain DDP
+  would);
 - otherwise the controller (tail_ray.bitwidth) picks bits, and one fused numba pass computes
   g + e, the bucket scales, the stochastic levels and the new residual.
 Encoding (dense/sparse choice, entropy coding) is the wire module's job (``encode_payload``).
 
-``decompress`` needs no state. Optional hooks the DDP comm hook calls when present:
-``observe_peers`` (between-worker spread -> SGD-noise estimate -> budget) and ``set_lr``.
+``decompress`` needs no state. Through the compressor contract the collective also calls
+``observe_peers`` (from ``aggregate``: between-worker spread -> SGD-noise estimate -> budget)
+and ``set_lr`` (an lr drop tightens the budget).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,22 +27,11 @@ import torch
 
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
-from tail_ray.compression.layers import (
-    as_flat_f32,
-    raw_record,
-    records_to_flat,
-    sample_stack,
-    warn_nonfinite,
-)
-from tail_ray.compression.quantize import (
-    layer_seed,
-    n_buckets,
-    quantize_finite,
-    sum_squares,
-)
-from tail_ray.compression.recorded import RecordCompressor
-from tail_ray.compression.registry import register_compressor
-from tail_ray.compression.wire import Kind, LayerRecord
+from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.quantize import layer_seed
+from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
+from tail_ray.compression.record_tensors import sample_stack
+from tail_ray.compression.records import LayerRecord
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -157,10 +145,10 @@ class TailCompressor(RecordCompressor):
 
     name = "tail"
 
-    def __init__(self, config: TailConfig | None = None) -> None:
+    def __init__(self, config: TailConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else TailConfig()
+        super().__init__(self.config, feedback=feedback)
         self._seed = self.config.seed if self.config.seed is not None else secrets.randbits(32)
-        super().__init__()
         self.controller = BitController(
             BudgetPolicy(self.config.budget_settings()),
             candidate_bits=self.config.candidate_bits,
@@ -175,7 +163,6 @@ class TailCompressor(RecordCompressor):
         # number of compressed steps (steps the link-aware switch sent plain are not counted).
         self._layer_steps: dict[str, int] = {}
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
-        self._residual_sq: dict[str, float] = {}  # ||e||^2 of each layer's current residual
 
     @property
     def step(self) -> int:
@@ -183,125 +170,57 @@ class TailCompressor(RecordCompressor):
         return max(self._layer_steps.values(), default=0)
 
     # --- sending -------------------------------------------------------------------------
-    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[LayerRecord]:
-        """The engine's part of ``compress`` (everything but the wire's encoding)."""
+    def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
+        for name in grads:  # every layer counts, raw ones too
+            self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
+
+    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
         cfg = self.config
-        records: list[LayerRecord] = []
-        errors: list[float] = []
-        nnzs: list[int | None] = []
-        for name, tensor in grads.items():
-            g = as_flat_f32(tensor)
-            step = self._layer_steps.get(name, 0)
-            self._layer_steps[name] = step + 1
-            if g.size < max(cfg.raw_below_numel, 1):
-                records.append(raw_record(name, g))
-                errors.append(0.0)
-                nnzs.append(None)
-                continue
-            sumsq = float(sum_squares(g))
-            if not math.isfinite(sumsq):
-                warn_nonfinite(name)
-                records.append(raw_record(name, g))
-                errors.append(0.0)
-                nnzs.append(None)
-                continue
-            residual = self.feedback.buffer(name, g.size) if cfg.error_feedback else None
-            # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
-            # the runaway guard and for observe_peers' account of what compression put into
-            # the decoded gradients.
-            e_sq = self._residual_sq.get(name, 0.0) if residual is not None else 0.0
-            # Error feedback is only stable while nu < 1; a residual this far above the larger
-            # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
-            # estimate was wrong for this layer: decide again now, on g + e.
-            typical = self.controller.policy.typical_norm(name) or 0.0
-            if e_sq > _RESIDUAL_LIMIT * max(sumsq, typical * typical):
-                self.controller.invalidate(name)
-            plan = self.controller.plan(name, g, residual, step, math.sqrt(sumsq))
-            levels = np.empty(g.size, dtype=np.int8)
-            scales = np.empty(n_buckets(g.size, cfg.bucket_size), dtype=np.float32)
-            seed = layer_seed(self._seed, step, name)
-            # Compression's part of this worker's decoded gradient: the residual carried in plus
-            # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
-            self._compression_sq[name] = (e_sq + plan.rel_error * (sumsq + e_sq)) / g.size
-            nnz, err_sq = quantize_finite(g, residual, plan.bits, cfg.bucket_size, seed, levels, scales)
-            if residual is not None:
-                self._residual_sq[name] = err_sq
-            records.append(
-                LayerRecord(
-                    name=name,
-                    numel=int(g.size),
-                    kind=Kind.QUANT,
-                    bits=plan.bits,
-                    bucket_size=cfg.bucket_size,
-                    scales=scales,
-                    levels=levels,
-                )
-            )
-            errors.append(plan.rel_error)
-            nnzs.append(int(nnz))
-        self._pending = list(zip(errors, nnzs, strict=True))
-        return records
+        step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
+        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
+        # the runaway guard and for observe_peers' account of what compression put into
+        # the decoded gradients.
+        e_sq = self.feedback.norm_sq(name) if self.feedback is not None else 0.0
+        # Error feedback is only stable while nu < 1; a residual this far above the larger
+        # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
+        # estimate was wrong for this layer: decide again now, on g + e.
+        typical = self.controller.policy.typical_norm(name) or 0.0
+        if e_sq > _RESIDUAL_LIMIT * max(sum_sq, typical * typical):
+            self.controller.invalidate(name)
+        plan = self.controller.plan(name, g, residual, step, math.sqrt(sum_sq))
+        # Compression's part of this worker's decoded gradient: the residual carried in plus
+        # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
+        self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
+        seed = layer_seed(self._seed, step, name)
+        record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed)
+        return CompressedLayer(record, plan.rel_error, nnz)
 
-    # --- receiving -----------------------------------------------------------------------
-    def decoded_last(self) -> dict[str, torch.Tensor] | None:
-        """What ``decompress`` would return for the payload of the last ``compress`` call, without
-        entropy-decoding it (the levels and scales are still here; the coding is lossless, so
-        the result is bit-identical). The hook uses it for its own rank's payload. Raw layers
-        are copied (they alias the caller's gradient, which the hook overwrites). None before
-        the first ``compress``; each call's records are handed out once.
-        """
-        records, self._last_records = self._last_records, None
-        if records is None:
-            return None
-        out = records_to_flat(records)
-        for rec in records:
-            if rec.kind != Kind.QUANT:
-                out[rec.name] = out[rec.name].clone()
-        return out
-
-    # --- signals from the hook / trainer ---------------------------------------------------
+    # --- signals from the collective / trainer ---------------------------------------------
     def set_lr(self, lr: float) -> None:
         """Called each step before backward; an lr drop or rise tightens the budget."""
         self.controller.policy.set_lr(float(lr), self.step)
 
-    def observe_peers(self, decoded_by_rank: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """Between-worker spread of one bucket's decoded gradients -> relative SGD noise per layer.
+    def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
+        """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.
 
-        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample, minus what
-        compression put into the d_i (the residual carried in + rounding noise, measured on
-        this worker's own last compress as a proxy for every worker's), over the workers'
-        mean ||d_i||^2 less that same compression part: the relative SGD noise (see
-        BudgetPolicy.relative_noise).
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the
+        sampled elements are dequantized), minus what compression put into the d_i (the
+        residual carried in + rounding noise, measured on this worker's own last compress as
+        a proxy for every worker's), over the workers' mean ||d_i||^2 less that same
+        compression part: the relative SGD noise (see BudgetPolicy.relative_noise).
         """
-        self._observe_sampled(
-            decoded_by_rank,
-            lambda ts, stride: torch.stack([t.reshape(-1)[::stride] for t in ts]).double(),
-            lambda t: t.numel(),
-        )
-
-    def observe_peer_records(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
-        """``observe_peers`` on records (decoded payloads before dequantization): the same
-        statistics, from the same strided sample, but only the sampled elements are dequantized."""
-        self._observe_sampled(records_by_rank, sample_stack, lambda rec: rec.numel)
-
-    def _observe_sampled(
-        self,
-        by_rank: Sequence[Mapping[str, Any]],
-        stack_of: Callable[[list[Any], int], torch.Tensor],
-        numel_of: Callable[[Any], int],
-    ) -> None:
-        world = len(by_rank)
+        world = len(records_by_rank)
         if world < 2:
             return
         policy = self.controller.policy
-        for name in by_rank[0]:
-            numel = numel_of(by_rank[0][name])
-            if numel < max(self.config.raw_below_numel, 1):
+        for name, first in records_by_rank[0].items():
+            if first.numel < max(self.config.raw_below_numel, 1):
                 continue
-            stride = max(1, numel // _SPREAD_SAMPLE_NUMEL)
+            stride = max(1, first.numel // _SPREAD_SAMPLE_NUMEL)
             try:
                 # (world, n_sample) float64: every rank's layer at the same strided positions.
-                stack = stack_of([d[name] for d in by_rank], stride)
+                stack = sample_stack([d[name] for d in records_by_rank], stride)
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
@@ -315,13 +234,6 @@ class TailCompressor(RecordCompressor):
             # 1000x another's for a step.
             policy.observe_spread(name, spread, compression, mean_sq - compression)
 
-    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Add each layer's residual into its gradient (in place) and clear it: the hook calls
-        this for a step it sends by plain all-reduce (see tail_ray/collective/gate.py)."""
-        super().fold_residuals(grads)
-        for name in grads:
-            self._residual_sq.pop(name, None)
-
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Controller state and residuals, keyed by layer name."""
@@ -330,42 +242,14 @@ class TailCompressor(RecordCompressor):
             "config": asdict(self.config),
             "layer_steps": dict(self._layer_steps),
             "controller": self.controller.state_dict(),
-            "residuals": {name: torch.from_numpy(e.copy()) for name, e in self.feedback.state_dict().items()},
+            **super().state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, residuals: bool = True) -> None:
-        """Restore controller state, and residuals unless ``residuals=False``.
-
-        Residuals are per worker. On a restart with the SAME workers, restore them. On a
-        resize (different world size) pass ``residuals=False``: every worker starts from a
-        zero residual. That drops at most one step's quantization error per layer (bounded
-        by tau * ||g||^2), whereas giving rank 0's residual to every new worker would apply
-        it W times over. A residual whose size no longer matches its layer is reset to zero.
-        """
+        """Restore the controller state always, and the residuals unless ``residuals=False``
+        (see ``RecordCompressor.load_state_dict``)."""
         if int(state["format"]) != 1:
             raise ConfigError(f"unsupported TailCompressor state format {state['format']!r}")
         self._layer_steps = {str(k): int(v) for k, v in dict(state["layer_steps"]).items()}
         self.controller.load_state_dict(state["controller"])
-        if residuals:
-            self.feedback.load_state_dict(
-                {
-                    str(k): np.asarray(torch.as_tensor(v).detach().cpu(), dtype=np.float32)
-                    for k, v in state["residuals"].items()
-                }
-            )
-            self._residual_sq = {
-                name: float(sum_squares(e)) for name, e in self.feedback.state_dict().items()
-            }
-        else:
-            self.feedback.reset()
-            self._residual_sq = {}
-
-
-@register_compressor("tail")
-def _make_tail(**settings: Any) -> TailCompressor:
-    if "candidate_bits" in settings:
-        settings["candidate_bits"] = tuple(settings["candidate_bits"])
-    try:
-        return TailCompressor(TailConfig(**settings))
-    except TypeError as exc:
-        raise ConfigError(f"bad settings for compressor 'tail': {exc}") from None
+        super().load_state_dict(state, residuals=residuals)

@@ -92,7 +92,7 @@ class MetricsClient:
             n = min(len(self._queue), self.max_batch_records)
             batch = [self._queue.popleft() for _ in range(n)]
             try:
-                ref = self._sink.push.remote(batch, self.dropped_records, self.rank)
+                ref: ray.ObjectRef = self._sink.push.remote(batch, self.dropped_records, self.rank)
             except Exception as exc:  # a dead actor handle can raise here; never fail training
                 self.failed_pushes += 1
                 self.dropped_records += n

@@ -101,7 +101,8 @@ def get_or_create_sink(
     job_id: str, capacity_records: int = DEFAULT_CAPACITY_RECORDS
 ) -> ray.actor.ActorHandle:
     """The job's sink, created detached on first use (idempotent across restarts of the driver)."""
-    return MetricsSink.options(
+    # MetricsSink is an ActorClass at run time (@ray.remote); mypy sees the plain class.
+    return MetricsSink.options(  # type: ignore[attr-defined]
         name=sink_actor_name(job_id),
         namespace=SINK_NAMESPACE,
         lifetime="detached",

@@ -16,24 +16,25 @@ from typing import Any
 from torch import nn
 
 from tail_ray.collective import (
+    HookState,
     HookStepMetrics,
-    TailHookState,
     compress_gradients_locally,
     make_hook_state,
+    method_spec,
     register_tail_hook,
 )
-
-# Methods whose stochastic rounding takes a seed. Without one each compressor draws a random
-# base seed, so a run could not be reproduced, nor replayed exactly from a checkpoint.
-SEEDED_METHODS = ("tail", "qsgd")
 
 
 def compression_settings(method: str, config: Mapping[str, Any], *, seed: int, rank: int) -> dict[str, Any]:
     """The method's settings, with a stochastic-rounding seed derived from (job seed, rank)
     unless the user set one: different on every worker (their rounding noise must be
-    independent), the same across runs of one config."""
+    independent), the same across runs of one config.
+
+    Only methods whose settings take a ``seed`` get one (``MethodSpec.seeded``: tail, qsgd).
+    Without it each compressor draws a random base seed, so a run could not be reproduced,
+    nor replayed exactly from a checkpoint."""
     settings = dict(config)
-    if method in SEEDED_METHODS and "seed" not in settings:
+    if method_spec(method).seeded and "seed" not in settings:
         settings["seed"] = (seed * 1_000_003 + rank * 7919 + 17) & 0xFFFF_FFFF
     return settings
 
@@ -46,12 +47,14 @@ class Comm:
     ) -> None:
         self.method = method
         self._model = model
-        self._local = not isinstance(model, nn.parallel.DistributedDataParallel)
         settings = compression_settings(method, config, seed=seed, rank=rank)
-        if self._local:
-            self.state: TailHookState = make_hook_state(model, method, settings)
-        else:
+        self.state: HookState
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            self._local = False
             self.state = register_tail_hook(model, method=method, config=settings)
+        else:
+            self._local = True
+            self.state = make_hook_state(model, method, settings)
 
     def after_backward(self) -> None:
         """Between backward and the optimizer step: world size 1 runs the local round trip

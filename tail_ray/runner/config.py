@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from tail_ray.errors import ConfigError
+from tail_ray.methods import METHODS
 
-METHODS = ("none", "fp16", "bf16", "powersgd", "qsgd", "topk", "tail")
 OPTIMIZERS = ("sgd", "adamw")
 _SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string"}
@@ -28,7 +28,7 @@ class JobConfig:
     name: str = "digits-tail"
     model: str = "digits_cnn"  # a name in tail_ray.runner.models' registry
     dataset: str = "digits"  # a name in tail_ray.runner.datasets' registry
-    method: str = "tail"  # one of METHODS
+    method: str = "tail"  # one of tail_ray.methods.METHODS
     compression: Mapping[str, Any] = field(default_factory=dict)  # settings for the method
     min_workers: int = 2
     max_workers: int = 2

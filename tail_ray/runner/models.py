@@ -1,5 +1,6 @@
-"""Models jobs train, by name. Each is small enough to train on CPU in tests, and has
-layers >= 64K elements so compression has something to bite on.
+"""Models jobs train, by name: small enough to train on CPU in tests, with layers to compress.
+
+Each has layers >= 64K elements so compression has something to bite on.
 
 - ``digits_cnn``: 2 conv + 2 fc on 8x8 digits (fc1.weight has 65,536 elements).
 - ``char_transformer``: a byte-level causal transformer LM (2 blocks, d_model 128).
@@ -33,6 +34,8 @@ class DigitsCNN(nn.Module):
 
 
 class CharTransformer(nn.Module):
+    causal_mask: torch.Tensor  # a registered buffer (nn.Module.__getattr__ types it Tensor | Module)
+
     def __init__(
         self, vocab: int = 256, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 64
     ) -> None:

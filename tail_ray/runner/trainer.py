@@ -96,7 +96,8 @@ def scaling_config(cfg: JobConfig) -> ScalingConfig:
     if isinstance(num_workers, tuple):
         kwargs["elastic_resize_monitor_interval_s"] = cfg.elastic_resize_interval_s
     return ScalingConfig(
-        num_workers=num_workers,
+        # Ray Train v2 takes (min, max) for elastic scaling; the annotation is still v1's.
+        num_workers=num_workers,  # type: ignore[arg-type]
         use_gpu=cfg.gpus_per_worker > 0,
         resources_per_worker=resources,
         **kwargs,
@@ -122,7 +123,9 @@ def build_trainer(
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoints_to_keep),
     )
     return TorchTrainer(
-        train_loop_per_worker,
+        # Ray Train v2 hands rank 0's return value to the driver (Result.return_value); the
+        # annotation still says the loop returns None.
+        train_loop_per_worker,  # type: ignore[arg-type]
         train_loop_config={
             "job": cfg.to_dict(),
             "job_id": job_id,
@@ -186,7 +189,8 @@ def run_job(
         result, error = None, f"{type(exc).__name__}: {exc}"
     finally:
         _mark_closed(sink)
-    summary = dict(result.return_value or {}) if result is not None else {}
+    # return_value: Ray Train v2's Result (rank 0's return); the stubs describe v1's Result.
+    summary = dict(result.return_value or {}) if result is not None else {}  # type: ignore[attr-defined]
     checkpoint = result.checkpoint.path if result is not None and result.checkpoint else None
     return JobResult(job_id, error is None, summary, checkpoint, error, time.perf_counter() - t0)
 

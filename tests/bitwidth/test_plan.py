@@ -2,7 +2,7 @@ import numpy as np
 
 from tail_ray.bitwidth.plan import BitController, pick_bits
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 
 BITS = (2, 3, 4, 5, 6, 8)
 

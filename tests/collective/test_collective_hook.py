@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from tail_ray.collective import TailHookState, make_hook_state, register_tail_hook
-from tail_ray.collective.hook import tail_hook
+from tail_ray.collective import PayloadHookState, make_hook_state, register_tail_hook
 from tail_ray.collective.launch import run_local_group
+from tail_ray.collective.payload import payload_hook
 from tail_ray.collective.transport import SIZE_BYTES, all_gather_bytes, ring_allreduce_bytes
 from tail_ray.compression import make_compressor
 from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES
@@ -75,8 +75,8 @@ def _none_vs_ddp_worker(rank, world_size, out_dir, method, use_allgather):
     hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
     if use_allgather:
         # The all-gather hook path with the exact raw-fp32 compressor: must match all-reduce.
-        state = TailHookState("qsgd", hooked, compressor=make_compressor("none"))
-        hooked.register_comm_hook(state, tail_hook)
+        state = PayloadHookState("qsgd", hooked, make_compressor("none"))
+        hooked.register_comm_hook(state, payload_hook)
     else:
         state = register_tail_hook(hooked, method)
     results = []
@@ -377,7 +377,7 @@ def test_state_dict_is_keyed_by_parameter_name():
     restored = make_hook_state(_model(), "powersgd", {"rank": 1})
     restored.load_state_dict(pickle.loads(pickle.dumps(saved)))
     for name in weights:
-        assert torch.equal(restored.local_powersgd_error[name], state.local_powersgd_error[name])
+        assert torch.equal(restored.local_error[name], state.local_error[name])
     assert restored.local_step == 4
 
 

@@ -91,14 +91,14 @@ def test_local_powersgd_is_low_rank_with_error_feedback():
     model = _model()
     state = make_hook_state(model, "powersgd", {"rank": 1, "start_powerSGD_iter": 2})
     for step in range(4):
-        old_error = state.local_powersgd_error.get("0.weight", torch.zeros(64, 20)).clone()
+        old_error = state.local_error.get("0.weight", torch.zeros(64, 20)).clone()
         before = _backward(model, seed=step)
         compress_gradients_locally(state, model)
     met = state.drain_metrics()
     w = model[0].weight.grad
     assert torch.linalg.matrix_rank(w) == 1  # compressing from step 2 on
     # Error-feedback invariant: compensated input == what was applied + new residual.
-    new_error = state.local_powersgd_error["0.weight"]
+    new_error = state.local_error["0.weight"]
     torch.testing.assert_close(before["0.weight"] + old_error, w + new_error)
     assert torch.equal(model[0].bias.grad, before["0.bias"])  # vectors go uncompressed
     low_rank = [s for s in met.layers if s.code.startswith("rank")]
@@ -149,3 +149,103 @@ def test_local_round_trip_of_payload_compressors(method):
     assert not torch.equal(big.weight.grad, original)  # really compressed, in place
     if method != "topk":  # 8-bit stochastic rounding: off by less than one step of the bucket's scale
         assert float((big.weight.grad - original).abs().max()) <= float(original.abs().max()) / 127
+
+
+# -- the method table and the state families ------------------------------------------------------
+
+
+def test_every_method_has_one_spec_and_a_state_of_its_family():
+    from tail_ray.collective import (
+        METHOD_SPECS,
+        AllReduceState,
+        Method,
+        PayloadHookState,
+        PowerSGDHookState,
+    )
+
+    assert list(METHOD_SPECS) == list(Method) and [m.value for m in Method] == list(METHODS)
+    family = {"none": AllReduceState, "fp16": AllReduceState, "bf16": AllReduceState}
+    family |= {"powersgd": PowerSGDHookState, "qsgd": PayloadHookState, "topk": PayloadHookState}
+    family |= {"tail": PayloadHookState}
+    for method, spec in METHOD_SPECS.items():
+        state = make_hook_state(_model(), method)
+        assert type(state) is family[method] and state.method == method
+        assert spec.exchanges_payloads == (family[method] is PayloadHookState)
+    # Exactly the methods with stochastic rounding take a seed (the runner derives one per rank).
+    assert {m.value for m, spec in METHOD_SPECS.items() if spec.seeded} == {"qsgd", "tail"}
+
+
+def test_the_docs_method_table_lists_every_method():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "collective.md").read_text()
+    for method in METHODS:
+        assert f"| `{method}`" in text, method
+
+
+def _v1_checkpoint(state) -> dict:
+    """What the one hook-state class of version 1 wrote: the family's keys, and PowerSGD's
+    local memory (empty unless the method was powersgd) for every method."""
+    return {"local_powersgd_error": {}, "local_powersgd_q": {}, **state.state_dict(), "version": 1}
+
+
+@pytest.mark.parametrize("method", ["none", "powersgd", "tail"])
+def test_version_1_checkpoints_still_load(method):
+    model = _model()
+    state = make_hook_state(model, method)
+    for seed in range(3):
+        _backward(model, seed)
+        compress_gradients_locally(state, model)
+    v1 = _v1_checkpoint(state)
+    restored = make_hook_state(_model(), method)
+    restored.load_state_dict(v1)
+    assert restored.local_step == 3
+    again = restored.state_dict()
+    assert again["version"] == 2
+    if method == "tail":
+        assert again["compressor"]["layer_steps"] == state.state_dict()["compressor"]["layer_steps"]
+    if method == "powersgd":
+        assert set(again["local_powersgd_error"]) == {"0.weight", "2.weight"}
+    with pytest.raises(ConfigError, match="version"):
+        restored.load_state_dict({**v1, "version": 99})
+
+
+def test_each_family_checkpoints_only_its_own_keys():
+    common = {"version", "method", "local_step"}
+    assert set(make_hook_state(_model(), "fp16").state_dict()) == common
+    assert set(make_hook_state(_model(), "qsgd").state_dict()) == common | {"compressor"}
+    powersgd = {"powersgd_iter", "local_powersgd_error", "local_powersgd_q"}
+    assert set(make_hook_state(_model(), "powersgd").state_dict()) == common | powersgd
+
+
+def test_a_compressor_with_only_compress_and_decompress_plugs_into_the_payload_hook():
+    """The contract's defaults are enough: a third-party compressor (here: send the sign of
+    every element times the layer's mean magnitude) runs through the payload path as it is."""
+    from tail_ray.collective import PayloadHookState
+    from tail_ray.compression import Compressor, LayerStats
+    from tail_ray.compression.raw import RawCompressor
+
+    class SignCompressor(Compressor):
+        name = "sign"
+
+        def compress(self, grads):
+            scaled = {n: g.sign() * g.abs().mean() for n, g in grads.items()}
+            self._last_stats = [
+                LayerStats(n, g.numel(), 1, 1.0, 4 * g.numel(), g.numel() // 8, 0.0, "sign")
+                for n, g in grads.items()
+            ]
+            return RawCompressor().compress(scaled)
+
+        def decompress(self, payload):
+            return RawCompressor().decompress(payload)
+
+    model = _model()
+    state = PayloadHookState("qsgd", model, SignCompressor())
+    before = _backward(model)
+    state.set_lr(0.1)  # the contract's no-op
+    compress_gradients_locally(state, model)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, before[n].sign() * before[n].abs().mean())
+    assert {s.code for s in state.drain_metrics().layers} == {"sign"}
+    assert state.state_dict()["compressor"] == {}
+    state.load_state_dict(state.state_dict(), residuals=False)

@@ -5,15 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tail_ray.compression import bitpack, levelcode, rans
+from tail_ray.compression import bitpack, entropy_model
+from tail_ray.compression.code_table import Code, candidate_codes, decode_levels, encode_levels
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
-from tail_ray.compression.levelcode import (
-    SPARSE_MIN_GAIN,
-    Code,
-    candidate_codes,
-    decode_levels,
-    encode_levels,
-)
+from tail_ray.compression.sparse_codes import SPARSE_MIN_GAIN
+from tail_ray.compression.varint import read_varint, varint
 from tail_ray.errors import CodecError
 
 RNG = np.random.default_rng(7)
@@ -107,22 +103,22 @@ def test_clustered_zeros_choose_sparse_and_beat_the_order0_bound() -> None:
 def test_frequency_table_round_trips_and_sums(scale: int) -> None:
     counts = np.bincount(RNG.integers(0, 40, 5000), minlength=255).astype(np.int64)
     freqs = np.zeros(255, np.int64)
-    rans.quantize_freqs(counts, scale, freqs)
+    entropy_model.quantize_freqs(counts, scale, freqs)
     assert freqs.sum() == 1 << scale
     assert np.all((freqs > 0) == (counts > 0))
     out = np.zeros(200, np.uint8)
-    end = rans.write_table(freqs, scale, out, 0)
-    assert end == 1 + (rans.table_bits(freqs) + 7) // 8
+    end = entropy_model.write_table(freqs, scale, out, 0)
+    assert end == 1 + (entropy_model.table_bits(freqs) + 7) // 8
     back = np.zeros(255, np.int64)
-    status, pos = rans.read_table(out, 0, 255, back)
+    status, pos = entropy_model.read_table(out, 0, 255, back)
     assert (status, pos) == (scale, end)
     assert np.array_equal(back, freqs)
     # truncating the table is detected, never read past
-    status, _ = rans.read_table(out[: end - 1], 0, 255, back)
-    assert status == rans.ERR_TABLE_TRUNCATED
+    status, _ = entropy_model.read_table(out[: end - 1], 0, 255, back)
+    assert status == entropy_model.ERR_TABLE_TRUNCATED
     # a table whose symbols exceed the alphabet is rejected
-    status, _ = rans.read_table(out, 0, 20, back)
-    assert status == rans.ERR_TABLE
+    status, _ = entropy_model.read_table(out, 0, 20, back)
+    assert status == entropy_model.ERR_TABLE
 
 
 @pytest.mark.parametrize(("bits", "code"), [(4, Code.RANS_PAIRS), (6, Code.RANS)])
@@ -164,10 +160,10 @@ def test_bitpack_rejects_symbols_outside_the_alphabet() -> None:
 
 def test_varint_round_trip_and_limits() -> None:
     for v in (0, 1, 127, 128, 300, 2**31, 2**62):
-        enc = np.frombuffer(levelcode.varint(v), np.uint8)
-        assert levelcode.read_varint(enc, 0, enc.size, layer=None, field="f") == (v, enc.size)
+        enc = np.frombuffer(varint(v), np.uint8)
+        assert read_varint(enc, 0, enc.size, layer=None, field="f") == (v, enc.size)
     with pytest.raises(CodecError):
-        levelcode.read_varint(np.full(12, 0x80, np.uint8), 0, 12, layer=None, field="f")
+        read_varint(np.full(12, 0x80, np.uint8), 0, 12, layer=None, field="f")
 
 
 @pytest.mark.parametrize("bits", [2, 4, 6])

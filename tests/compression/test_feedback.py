@@ -1,3 +1,5 @@
+"""Error-feedback memory: nothing lost, keyed by name, owning residual norms, injected into compressors."""
+
 import numpy as np
 
 from tail_ray.compression.feedback import ErrorFeedback
@@ -39,3 +41,47 @@ def test_resized_layer_restarts_from_zero_and_state_roundtrips():
     assert np.all(other.buffer("w", 6) == 0)  # size changed: the old residual means nothing
     other.reset()
     assert other.names() == []
+
+
+def test_the_memory_owns_residual_norms():
+    mem = ErrorFeedback()
+    assert mem.norm_sq("w") == 0.0  # no residual: nothing owed
+    e = mem.buffer("w", 4)
+    e[:] = [3.0, 4.0, 0.0, 0.0]
+    mem.measured("w", 25.0)  # what a fused kernel reports after rewriting the buffer
+    assert mem.norm_sq("w") == 25.0
+    mem.keep("v", np.array([1.0, 2.0], np.float32))  # unmeasured: computed when asked
+    assert mem.norm_sq("v") == 5.0
+    other = ErrorFeedback()
+    other.load_state_dict(mem.state_dict())  # norms measured again on restore
+    assert (other.norm_sq("w"), other.norm_sq("v")) == (25.0, 5.0)
+
+
+def test_fold_adds_what_is_owed_and_forgets_it():
+    import torch
+
+    mem = ErrorFeedback()
+    mem.update("w", np.ones(3, np.float32), np.zeros(3, np.float32))
+    g = torch.full((3,), 2.0)
+    mem.fold_into({"w": g, "absent": torch.zeros(2)})
+    assert torch.equal(g, torch.full((3,), 3.0))
+    assert mem.names() == [] and mem.norm_sq("w") == 0.0
+
+
+def test_a_compressor_runs_on_the_memory_it_is_given():
+    """Error feedback is injected: a caller may hand a compressor its memory (another stage's
+    or another device's); a compressor told to run without error feedback refuses one."""
+    import pytest
+    import torch
+
+    from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig
+    from tail_ray.compression.tail import TailCompressor, TailConfig
+    from tail_ray.errors import ConfigError
+
+    mem = ErrorFeedback()
+    comp = TailCompressor(TailConfig(seed=1), feedback=mem)
+    comp.compress({"w": torch.randn(8192)})
+    assert comp.feedback is mem and mem.names() == ["w"] and mem.norm_sq("w") > 0
+    assert QSGDCompressor(QSGDConfig(error_feedback=False)).feedback is None
+    with pytest.raises(ConfigError, match="error_feedback is false"):
+        QSGDCompressor(QSGDConfig(error_feedback=False), feedback=mem)

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tail_ray.compression.levelcode import candidate_codes, decode_levels, encode_levels, varint
+from tail_ray.compression.code_table import candidate_codes, decode_levels, encode_levels
+from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.varint import varint
 from tail_ray.compression.wire import (
     MAGIC,
     VERSION,
-    Kind,
-    LayerRecord,
     decode_payload,
     encode_payload,
     seal,
@@ -45,11 +45,9 @@ def _valid_payloads() -> list[bytes]:
         n = levels.size
         scales = rng.random(-(-n // 256)).astype(np.float32)
         records = [
-            LayerRecord("w", n, Kind.QUANT, bits, 256, scales, levels),
-            LayerRecord("b", 3, Kind.RAW_F32, values=np.array([1.0, np.nan, np.inf], np.float32)),
-            LayerRecord(
-                "t", 1000, Kind.SPARSE_F32, indices=np.arange(3, 1000, 97), values=np.ones(11, np.float32)
-            ),
+            QuantRecord("w", bits, 256, scales, levels),
+            RawRecord("b", np.array([1.0, np.nan, np.inf], np.float32)),
+            SparseRecord("t", 1000, np.arange(3, 1000, 97), np.ones(11, np.float32)),
         ]
         out.append(encode_payload(records)[0])
     return out
@@ -82,21 +80,20 @@ def _check(payload: bytes) -> None:
     finally:
         assert time.perf_counter() - start < 2.0
     for rec in records:  # a result that decodes must be internally consistent
-        if rec.kind == Kind.QUANT:
-            assert rec.levels is not None and rec.levels.size == rec.numel
+        if isinstance(rec, QuantRecord):
+            assert rec.levels.dtype == np.int8
             half = (1 << (rec.bits - 1)) - 1
             if rec.numel:
                 assert -half <= int(rec.levels.min()) and int(rec.levels.max()) <= half
-            assert rec.scales is not None and rec.scales.size == -(-rec.numel // rec.bucket_size)
-        elif rec.kind == Kind.SPARSE_F32:
-            assert rec.indices is not None and rec.values is not None
+            assert rec.scales.size == -(-rec.numel // rec.bucket_size)
+        elif isinstance(rec, SparseRecord):
             assert rec.indices.size == rec.values.size
             if rec.indices.size:
                 assert (
                     np.all(np.diff(rec.indices) > 0) and rec.indices[0] >= 0 and rec.indices[-1] < rec.numel
                 )
         else:
-            assert rec.values is not None and rec.values.size == rec.numel
+            assert isinstance(rec, RawRecord) and rec.values.dtype == np.float32
 
 
 def test_valid_payloads_decode() -> None:

@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 
+from tail_ray.compression.grid import dequantize_reference, mean_reference
 from tail_ray.compression.quantize import (
     dequantize,
     levels_max,
     mean_dequantized_into,
+    mean_into,
     n_buckets,
     quantize,
     quantize_ef,
@@ -140,56 +142,51 @@ def test_different_seeds_give_different_roundings_same_seed_same():
 
 
 @pytest.mark.parametrize("bucket_sizes", [(512, 512, 512), (7, 512, 1000)])
-def test_fused_mean_equals_dequantize_sum_divide_bit_for_bit(bucket_sizes):
+def test_fused_mean_equals_dequantize_then_reference_mean_bit_for_bit(bucket_sizes):
     """Ranks may differ in bits and even bucket size; the one-pass mean must equal dequantizing
-    each, summing in rank order in float32 and dividing by the number of ranks."""
-    import torch
-
+    each and taking the grid's rank mean (float64 sum in rank order, / R, to float32)."""
     rng = np.random.default_rng(11)
     n = 50_003
     bits = (2, 5, 8)
     levels = [rng.integers(-levels_max(b), levels_max(b) + 1, n).astype(np.int8) for b in bits]
     scales = [rng.random(n_buckets(n, bs)).astype(np.float32) for bs in bucket_sizes]
     per_rank = zip(levels, scales, bits, bucket_sizes, strict=True)
-    decoded = [torch.from_numpy(dequantize(lv, s, b, bs)) for lv, s, b, bs in per_rank]
+    decoded = [dequantize_reference(lv, s, b, bs) for lv, s, b, bs in per_rank]
     for world in (1, 2, 3):
-        want = decoded[0].clone()
-        for d in decoded[1:world]:
-            want.add_(d)
-        want.div_(world)
+        want = mean_reference(decoded[:world])
         out = np.empty(n, np.float32)
         mean_dequantized_into(
             levels[:world], scales[:world], list(bits[:world]), list(bucket_sizes[:world]), out
         )
-        np.testing.assert_array_equal(out.view(np.int32), want.numpy().view(np.int32))
+        np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))
+        # The mean of already-decoded layers (raw or mixed codes) is the same arithmetic.
+        out_f = np.empty(n, np.float32)
+        mean_into(decoded[:world], out_f)
+        np.testing.assert_array_equal(out_f.view(np.int32), want.view(np.int32))
 
 
 def test_sampled_dequantization_equals_full_dequantization():
     import torch
 
-    from tail_ray.compression.layers import records_to_flat, sample_flat, sample_stack
-    from tail_ray.compression.wire import Kind, LayerRecord
+    from tail_ray.compression.record_tensors import records_to_flat, sample_flat, sample_stack
+    from tail_ray.compression.records import QuantRecord, RawRecord
 
     rng = np.random.default_rng(12)
     n = 70_001
-    rec = LayerRecord(
+    rec = QuantRecord(
         "w",
-        n,
-        Kind.QUANT,
         bits=3,
         bucket_size=512,
         scales=rng.random(n_buckets(n, 512)).astype(np.float32),
         levels=rng.integers(-3, 4, n).astype(np.int8),
     )
-    raw = LayerRecord("r", n, Kind.RAW_F32, values=rng.standard_normal(n).astype(np.float32))
+    raw = RawRecord("r", rng.standard_normal(n).astype(np.float32))
     for r in (rec, raw):
         full = records_to_flat([r])[r.name]
         for stride in (1, 4, 17):
             np.testing.assert_array_equal(sample_flat(r, stride).numpy(), full[::stride].numpy())
-    other = LayerRecord(
+    other = QuantRecord(
         "w",
-        n,
-        Kind.QUANT,
         bits=6,
         bucket_size=100,
         scales=rng.random(n_buckets(n, 100)).astype(np.float32),

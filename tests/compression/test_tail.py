@@ -1,3 +1,5 @@
+"""TailCompressor: bits chosen per layer, error feedback, the controller's noise estimate, checkpoints."""
+
 import math
 
 import numpy as np
@@ -6,6 +8,7 @@ import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig, make_compressor
 from tail_ray.compression.quantize import levels_max
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -110,6 +113,19 @@ def test_state_dict_roundtrip_and_resize_choice():
     assert resized.feedback.names() == [] and resized.controller.plans == comp.controller.plans
 
 
+def _exact_records(peers: list[dict[str, torch.Tensor]]) -> list[dict[str, LayerRecord]]:
+    """Each rank's gradients as raw records: what ``aggregate`` hands ``observe_peers``, here
+    without compression noise (so the spread is exactly the one made up by the test)."""
+    return [{n: RawRecord(n, t.reshape(-1).numpy()) for n, t in p.items()} for p in peers]
+
+
+def _exchange(comps: list[TailCompressor], grads: list[dict[str, torch.Tensor]]) -> None:
+    """One exchange as the collective runs it: every rank compresses, then aggregates all."""
+    payloads = [c.compress(g) for c, g in zip(comps, grads, strict=True)]
+    for rank, c in enumerate(comps):
+        c.aggregate(payloads, {n: torch.empty(t.numel()) for n, t in grads[rank].items()}, own=rank)
+
+
 def test_observe_peers_sets_budget_from_between_worker_spread():
     gen = torch.Generator().manual_seed(0)
     mean = torch.randn(65536, generator=gen)
@@ -117,10 +133,10 @@ def test_observe_peers_sets_budget_from_between_worker_spread():
     for noise_scale, expect_r in ((0.1, 0.01), (1.0, 0.5)):
         peers = [{"w": mean + noise_scale * torch.randn(65536, generator=gen)} for _ in range(4)]
         for _ in range(30):  # let the running average settle
-            comp.observe_peers(peers)
+            comp.observe_peers(_exact_records(peers))
         r = comp.controller.policy.relative_noise("w")
         assert r is not None and r == pytest.approx(expect_r, rel=0.2)
-    comp.observe_peers(peers[:1])  # world size 1: nothing to learn, nothing breaks
+    comp.observe_peers(_exact_records(peers[:1]))  # world size 1: nothing to learn, nothing breaks
 
 
 def test_low_noise_needs_more_bits_than_high_noise():
@@ -132,7 +148,7 @@ def test_low_noise_needs_more_bits_than_high_noise():
         comp = TailCompressor(TailConfig(seed=0, warmup_steps=0))
         peers = [{"w": base + spread * torch.randn(65536, generator=gen)} for _ in range(2)]
         for _ in range(20):
-            comp.observe_peers(peers)
+            comp.observe_peers(_exact_records(peers))
         comp.compress({"w": base})
         chosen[label] = comp.last_stats[0].bits
     assert chosen["quiet"] > chosen["noisy"]
@@ -155,8 +171,9 @@ def test_levels_are_within_bits():
 
     comp = TailCompressor(TailConfig(seed=2))
     recs = decode_payload(comp.compress(_grads(9)))
+    assert any(isinstance(rec, QuantRecord) for rec in recs)
     for rec in recs:
-        if rec.levels is not None:
+        if isinstance(rec, QuantRecord):
             assert np.abs(rec.levels.astype(int)).max() <= levels_max(rec.bits)
             assert math.isfinite(float(rec.scales.sum()))
 
@@ -186,9 +203,7 @@ def test_noise_estimate_is_not_fooled_by_compression_and_residuals():
     comps = [TailCompressor(TailConfig(seed=s, candidate_bits=(3,))) for s in (1, 2)]
     for _ in range(30):
         g = {"w": torch.randn(65536, generator=gen) * 1e-2}
-        decoded = [c.decompress(c.compress(g)) for c in comps]
-        for c in comps:
-            c.observe_peers(decoded)
+        _exchange(comps, [g, g])
     r = comps[0].controller.policy.relative_noise("w")
     assert r is not None and r < 0.1  # uncorrected, it would read ~0.7 (nu + residual ~ 0.3 + 0.4)
 
@@ -200,9 +215,7 @@ def test_default_budget_keeps_compression_noise_a_quarter_of_sgd_noise():
     gen = torch.Generator().manual_seed(4)
     comps = [TailCompressor(TailConfig(seed=s, warmup_steps=0)) for s in (1, 2)]
     for _ in range(30):
-        decoded = [c.decompress(c.compress({"w": torch.randn(65536, generator=gen)})) for c in comps]
-        for c in comps:
-            c.observe_peers(decoded)
+        _exchange(comps, [{"w": torch.randn(65536, generator=gen)} for _ in comps])
     r = comps[0].controller.policy.relative_noise("w")
     assert r is not None and r == pytest.approx(1.0, abs=0.15)
     comps[0].compress({"w": torch.randn(65536, generator=gen)})

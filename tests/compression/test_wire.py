@@ -7,12 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.wire import (
     PAYLOAD_OVERHEAD_BYTES,
     VERSION,
     EncodedLayer,
-    Kind,
-    LayerRecord,
     decode_payload,
     encode_payload,
     seal,
@@ -22,10 +21,10 @@ from tail_ray.errors import CodecError
 RNG = np.random.default_rng(20261129)
 
 
-def quant(name: str, levels: np.ndarray, bits: int, bucket: int = 128) -> LayerRecord:
+def quant(name: str, levels: np.ndarray, bits: int, bucket: int = 128) -> QuantRecord:
     n = int(levels.size)
     scales = RNG.random(-(-n // bucket)).astype(np.float32)
-    return LayerRecord(name, n, Kind.QUANT, bits, bucket, scales, levels.astype(np.int8))
+    return QuantRecord(name, bits, bucket, scales, levels.astype(np.int8))
 
 
 def peaked(n: int, bits: int, spread: float = 0.25) -> np.ndarray:
@@ -39,14 +38,11 @@ def roundtrip(records: list[LayerRecord]) -> tuple[list[LayerRecord], list[Encod
 
 
 def assert_same(a: LayerRecord, b: LayerRecord) -> None:
-    assert (a.name, a.numel, a.kind) == (b.name, b.numel, b.kind)
+    assert (type(a), a.name, a.numel, a.kind) == (type(b), b.name, b.numel, b.kind)
     for attr in ("levels", "scales", "values", "indices"):
-        x, y = getattr(a, attr), getattr(b, attr)
-        if x is None:
-            assert y is None, attr
-        else:
-            assert y is not None, attr
-            assert np.asarray(x).tobytes() == np.asarray(y).astype(np.asarray(x).dtype).tobytes(), attr
+        if hasattr(a, attr):
+            x, y = np.asarray(getattr(a, attr)), np.asarray(getattr(b, attr))
+            assert x.tobytes() == y.astype(x.dtype).tobytes(), attr
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
@@ -68,21 +64,22 @@ def test_every_bit_width_round_trips_dense_and_sparse_and_edges(bits: int) -> No
     decoded, costs, payload = roundtrip(records)
     for a, b in zip(records, decoded, strict=True):
         assert_same(a, b)
-        assert b.levels is not None and b.levels.dtype == np.int8
+        assert isinstance(b, QuantRecord) and b.levels.dtype == np.int8
     assert sum(c.encoded_bytes for c in costs) + PAYLOAD_OVERHEAD_BYTES == len(payload)  # all attributed
     assert [c.nnz for c in costs] == [int(np.count_nonzero(r.levels)) for r in records]
+    assert all(not hasattr(b, "values") for b in decoded)  # a tagged union: only its own arrays
 
 
 def test_large_layer_round_trips() -> None:
     lv = peaked(1 << 20, 4)
     decoded, costs, _ = roundtrip([quant("big", lv, 4, bucket=512)])
-    assert np.array_equal(decoded[0].levels, lv)
+    assert isinstance(decoded[0], QuantRecord) and np.array_equal(decoded[0].levels, lv)
     assert costs[0].code in ("rans-pairs", "sparse-rans")  # near-equal sizes on iid levels
 
 
 def test_all_zero_layer_costs_almost_nothing() -> None:
     decoded, costs, _ = roundtrip([quant("z", np.zeros(1 << 20, np.int8), 3, bucket=1 << 20)])
-    assert not decoded[0].levels.any()
+    assert isinstance(decoded[0], QuantRecord) and not decoded[0].levels.any()
     assert costs[0].code == "sparse-rans"
     assert costs[0].encoded_bytes < 32  # header share + one scale, empty body
 
@@ -92,8 +89,8 @@ def test_raw_f32_passes_nan_and_inf_bit_exactly() -> None:
     # never inspects float values, so every bit pattern comes back unchanged.
     bits = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 1], np.uint32)
     values = bits.view(np.float32)
-    decoded, costs, _ = roundtrip([LayerRecord("raw", values.size, Kind.RAW_F32, values=values)])
-    assert decoded[0].values is not None
+    decoded, costs, _ = roundtrip([RawRecord("raw", values)])
+    assert isinstance(decoded[0], RawRecord)
     assert decoded[0].values.view(np.uint32).tolist() == bits.tolist()
     assert costs[0].code == "raw"
 
@@ -102,13 +99,13 @@ def test_raw_f16_and_scales_with_nonfinite_pass_through() -> None:
     vals = np.array([1.0, np.inf, -2.5, 0.0], np.float16)
     lv = peaked(300, 4)
     rec = quant("q", lv, 4, bucket=100)
-    assert rec.scales is not None
     rec.scales[1] = np.nan
-    decoded, _, _ = roundtrip([LayerRecord("h", 4, Kind.RAW_F16, values=vals), rec])
-    assert decoded[0].values is not None
-    assert decoded[0].values.tolist() == vals.astype(np.float32).tolist()
-    assert decoded[1].scales is not None and np.isnan(decoded[1].scales[1])
-    assert np.array_equal(decoded[1].levels, lv)
+    decoded, _, _ = roundtrip([RawRecord("h", vals, fp16=True), rec])
+    h, q = decoded
+    assert isinstance(h, RawRecord) and h.fp16 and h.values.dtype == np.float32
+    assert h.values.tolist() == vals.astype(np.float32).tolist()
+    assert isinstance(q, QuantRecord) and np.isnan(q.scales[1])
+    assert np.array_equal(q.levels, lv)
 
 
 def test_topk_indices_are_coded_compactly_and_exactly() -> None:
@@ -116,9 +113,9 @@ def test_topk_indices_are_coded_compactly_and_exactly() -> None:
     idx = np.sort(RNG.choice(n, 2000, replace=False)).astype(np.int64)
     vals = RNG.standard_normal(idx.size).astype(np.float32)
     vals[0] = np.nan
-    decoded, costs, _ = roundtrip([LayerRecord("t", n, Kind.SPARSE_F32, indices=idx, values=vals)])
-    assert np.array_equal(decoded[0].indices, idx)
-    assert decoded[0].values is not None and decoded[0].values.tobytes() == vals.tobytes()
+    decoded, costs, _ = roundtrip([SparseRecord("t", n, idx, vals)])
+    assert isinstance(decoded[0], SparseRecord) and np.array_equal(decoded[0].indices, idx)
+    assert decoded[0].values.tobytes() == vals.tobytes()
     assert costs[0].code == "sparse-pos"
     # positions cost a little over log2(C(n, k)) (~8.1 bits each here), far below 8 raw bytes
     log2_choose = (math.lgamma(n + 1) - math.lgamma(2001) - math.lgamma(n - 1999)) / math.log(2)
@@ -126,7 +123,7 @@ def test_topk_indices_are_coded_compactly_and_exactly() -> None:
 
 
 def test_topk_rejects_unsorted_indices() -> None:
-    rec = LayerRecord("t", 10, Kind.SPARSE_F32, indices=np.array([3, 2]), values=np.ones(2, np.float32))
+    rec = SparseRecord("t", 10, np.array([3, 2]), np.ones(2, np.float32))
     with pytest.raises(CodecError) as err:
         encode_payload([rec])
     assert (err.value.layer, err.value.field) == ("t", "indices")
@@ -148,19 +145,28 @@ def test_level_outside_range_is_rejected_not_wrapped() -> None:
 def test_wide_integer_levels_are_range_checked_before_the_int8_cast() -> None:
     wide = np.array([0, 1, 200], np.int32)  # 200 would wrap to -56, inside [-127, 127]
     with pytest.raises(CodecError, match="outside") as err:
-        encode_payload([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), wide)])
+        encode_payload([QuantRecord("w", 8, 4, np.ones(1, np.float32), wide)])
     assert err.value.layer == "w"
     ok = np.array([0, 1, -127], np.int64)
-    decoded, _, _ = roundtrip([LayerRecord("w", 3, Kind.QUANT, 8, 4, np.ones(1, np.float32), ok)])
-    assert decoded[0].levels is not None and decoded[0].levels.tolist() == [0, 1, -127]
+    decoded, _, _ = roundtrip([QuantRecord("w", 8, 4, np.ones(1, np.float32), ok)])
+    assert isinstance(decoded[0], QuantRecord) and decoded[0].levels.tolist() == [0, 1, -127]
 
 
-@pytest.mark.parametrize(("bits", "bucket"), [(-1, 0), (256, 0), (0, -5)])
-def test_out_of_range_header_fields_are_codec_errors(bits: int, bucket: int) -> None:
-    rec = LayerRecord("r", 2, Kind.RAW_F32, bits=bits, bucket_size=bucket, values=np.ones(2, np.float32))
+@pytest.mark.parametrize(
+    ("bits", "bucket", "field"),
+    [
+        (-1, 4, "bits"),
+        (256, 4, "bits"),
+        (3, 0, "bucket_size"),
+        (3, -5, "bucket_size"),
+        (3, 1 << 25, "bucket_size"),
+    ],
+)
+def test_out_of_range_header_fields_are_codec_errors(bits: int, bucket: int, field: str) -> None:
+    rec = QuantRecord("r", bits, bucket, np.ones(1, np.float32), np.zeros(2, np.int8))
     with pytest.raises(CodecError) as err:
         encode_payload([rec])
-    assert err.value.layer == "r"
+    assert (err.value.layer, err.value.field) == ("r", field)
 
 
 def test_wrong_version_and_trailing_bytes_are_codec_errors() -> None:
@@ -190,11 +196,9 @@ def test_encode_payload_equals_sealing_the_frame() -> None:
     """The encoder runs the CRC over the pieces as it frames them: same trailer as ``seal``."""
     rng = np.random.default_rng(3)
     recs = [
-        LayerRecord("r", 10, Kind.RAW_F32, values=rng.standard_normal(10).astype(np.float32)),
-        LayerRecord(
+        RawRecord("r", rng.standard_normal(10).astype(np.float32)),
+        QuantRecord(
             "q",
-            1000,
-            Kind.QUANT,
             bits=3,
             bucket_size=512,
             scales=np.ones(2, np.float32),

@@ -398,7 +398,10 @@ def test_checkpoints_go_to_storage_every_ray_pod_shares():
 
 
 def _uvicorn_app(argv: list[str]):
-    """Build the app the container's uvicorn command names (without starting it)."""
+    """Build the app the container's command serves (without starting it): `python -m
+    service.serve` (the service's own uvicorn runner) or a plain uvicorn command line."""
+    if argv[:3] == ["python", "-m", "service.serve"]:
+        argv = ["uvicorn", "--factory", "service.main:create_app", *argv[3:]]
     assert argv[0] == "uvicorn", argv
     factory = "--factory" in argv
     (target,) = [a for a in argv[1:] if ":" in a and not a.startswith("-")]

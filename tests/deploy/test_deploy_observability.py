@@ -249,10 +249,11 @@ def test_alert_rules_load_and_use_exported_metrics():
 
 
 def test_prometheus_can_read_metrics_when_reads_need_the_token():
-    """With TAIL_RAY_READ_REQUIRES_TOKEN=true the service guards /metrics too; the scrape job must
-    then send the API token."""
+    """A service reached beyond loopback (the Deployment serves on 0.0.0.0) guards /metrics too
+    unless TAIL_RAY_READ_REQUIRES_TOKEN=false; the scrape job must then send the API token."""
     env = env_of(service_deployment()["spec"]["template"]["spec"]["containers"][0])
-    guarded = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "false")).lower() in ("1", "true")
+    setting = str(env.get("TAIL_RAY_READ_REQUIRES_TOKEN", {}).get("value", "")).lower()
+    guarded = setting not in ("0", "false")
     job = _scrape_jobs()["tail-ray-service"]
     assert not guarded or "authorization" in job or "bearer_token_file" in job
 

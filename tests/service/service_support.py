@@ -14,10 +14,10 @@ from typing import Any
 
 import uvicorn
 
-from service.main import create_app
-from service.ray_head import HeadPorts, LocalRayHead, free_port
+from service.ray_head import HeadPorts, LocalRayHead, free_port, short_temp_dir
+from service.serve import uvicorn_config
 from service.settings import Settings
-from service.storage import parse_storage_url
+from service.storage import IngestBatch, Storage, parse_storage_url
 from tail_ray.metrics.records import LayerMetric, StepMetric
 
 API_TOKEN = "test-token-0123456789abcdef"
@@ -27,10 +27,14 @@ LAYERS = ("conv1.weight", "conv2.weight", "fc1.weight", "fc2.weight")
 
 @contextmanager
 def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
-    """A private Ray head on free ports, this process connected as a driver."""
+    """A private Ray head on free ports, this process connected as a driver. Its own Ray temp
+    dir: a job driver joins the cluster named there, never one someone else started later."""
     import ray
 
-    head = LocalRayHead(HeadPorts.pick(), num_cpus=num_cpus, log_path=tmp_dir / "ray-head.log")
+    temp = short_temp_dir()
+    head = LocalRayHead(
+        HeadPorts.pick(), num_cpus=num_cpus, log_path=tmp_dir / "ray-head.log", temp_dir=temp, stop_grace_s=10
+    )
     head.start()
     try:
         ray.init(address=head.ports.gcs_address, log_to_driver=False, configure_logging=False)
@@ -38,6 +42,7 @@ def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
     finally:
         ray.shutdown()
         head.stop()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def make_settings(db: Path | str, head: LocalRayHead | None, **overrides: Any) -> Settings:
@@ -49,6 +54,11 @@ def make_settings(db: Path | str, head: LocalRayHead | None, **overrides: Any) -
         "sync_interval_s": 0.5,
         "drain_grace_s": 0.5,
         "sse_interval_s": 0.2,
+        # Starlette's TestClient sends "Host: testserver".
+        "allowed_hosts": ["127.0.0.1", "localhost", "::1", "testserver"],
+        # Many tests insert a RUNNING job as a stand-in that Ray never had; the reconciler
+        # would (rightly) mark it lost. Tests of reconciliation set their own value.
+        "lost_after_s": 3600.0,
     }
     if head is not None:
         values["ray_address"] = head.ports.gcs_address
@@ -106,6 +116,20 @@ def raw_rows(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
 
+def seed_finished_job(storage: Storage, job_id: str, steps: int) -> None:
+    """A SUCCEEDED job whose sink is drained, with ``steps`` steps of 2-rank metrics, written
+    through ``Storage`` (what the ingester does), so the read routes and the SSE stream run to
+    their end without Ray."""
+    storage.insert_job(
+        job_id=job_id, name="done", source="api", status="SUCCEEDED", entrypoint="x", spec=None
+    )
+    records = [r for step in range(steps) for r in step_records(job_id, step)]
+    for seq, rec in enumerate(records, start=1):
+        rec["seq"] = seq
+    storage.ingest(job_id, IngestBatch(records=records, next_seq=len(records)))
+    storage.mark_drained(job_id)
+
+
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -138,13 +162,13 @@ def chromium_page() -> Iterator[Any]:
 
 
 class LiveServer:
-    """The real app under uvicorn in a thread, on a free loopback port."""
+    """The real app under uvicorn in a thread, on a free loopback port, configured as
+    `tail-ray up` runs it (service/serve.py: request-head timeout and all)."""
 
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(settings, host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

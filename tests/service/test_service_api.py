@@ -45,7 +45,8 @@ def test_mutating_routes_need_the_token(head: LocalRayHead, storage_url: str) ->
             assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
             wrong = client.post(path, json={}, headers={"Authorization": "Bearer not-the-token"})
             assert wrong.status_code == 403
-        assert client.get("/v1/jobs").status_code == 200  # reads are open by default
+        assert client.get("/v1/jobs").status_code == 200  # reads are open on loopback
+        assert client.get("/v1/jobs/some-job/logs").status_code == 401  # ... but never the logs
         assert client.get("/v1/jobs/nope").json()["code"] == "job_not_found"
         assert client.get("/v1/jobs/nope").status_code == 404
 
@@ -133,6 +134,42 @@ def test_sink_ingest_survives_a_restart_and_reads_what_was_buffered_meanwhile(
         store.close()
 
 
+def test_jobs_ray_lost_become_failed_and_their_surviving_sink_is_drained(
+    head: LocalRayHead, storage_url: str
+) -> None:
+    """Issue 17, finding 1: a service restarted after its Ray cluster was replaced showed the
+    killed job RUNNING forever ("Job is currently running."). Two jobs this database holds as
+    RUNNING that this cluster never ran: one left nothing, one left a metrics sink (a named
+    actor) with records the service had not read yet."""
+    db = storage_url
+    store = open_storage(db)
+    long_ago = time.time() - 600
+    for job_id in ("lost-bare", "lost-with-sink"):
+        store.insert_job(
+            job_id=job_id, name=job_id, source="api", status="RUNNING",
+            entrypoint="python -m jobs.train", spec=None, created_at=long_ago,
+        )  # fmt: skip
+    last = _push("lost-with-sink", range(3))
+    with TestClient(create_app(make_settings(db, head, lost_after_s=1.0))) as client:
+
+        def failed(job_id: str) -> dict | None:
+            job = client.get(f"/v1/jobs/{job_id}").json()
+            return job if job["status"] == "FAILED" else None
+
+        for job_id in ("lost-bare", "lost-with-sink"):
+            job = wait_for(lambda jid=job_id: failed(jid), 30, f"{job_id} to be reconciled")
+            assert job["message"].startswith("lost: Ray has no record of this job"), job["message"]
+            assert "it was RUNNING here" in job["message"] and job["ended_at"] >= long_ago
+            stop = client.post(f"/v1/jobs/{job_id}/stop", headers=AUTH)
+            assert stop.status_code == 409 and "already ended (FAILED)" in stop.json()["detail"]
+        base = "/v1/jobs/lost-with-sink/metrics"
+        wait_for(lambda: client.get(f"{base}/summary").json()["ingest"]["drained"], 30, "the sink drained")
+        assert store.seqs("lost-with-sink") == list(range(1, last + 1))  # nothing it buffered is lost
+        assert client.get(f"{base}/summary").json()["steps"] == 3
+        wait_for(lambda: find_sink("lost-with-sink") is None, 20, "the drained sink released")
+    store.close()
+
+
 def _sse_events(client: TestClient, url: str, headers: dict | None = None) -> list[dict[str, str]]:
     events, current = [], {}
     with client.stream("GET", url, headers=headers, timeout=30) as resp:
@@ -202,9 +239,15 @@ def test_jobs_via_api_and_by_hand_are_listed_stopped_and_never_echo_the_ray_toke
         page = client.get("/v1/jobs", params={"limit": 1, "offset": 1}).json()
         assert page["total"] == len(items) and len(page["items"]) == 1
 
+        wait_for(
+            lambda: client.get(f"/v1/jobs/{job['id']}").json()["status"] == "RUNNING", 60, "api-job to run"
+        )
         for job_id in (job["id"], hand_id):
             stopped = client.post(f"/v1/jobs/{job_id}/stop", headers=AUTH)
             assert stopped.status_code == 200, stopped.text
+            # Ray stops asynchronously: the answer is what Ray reports once asked, or STOPPING,
+            # never the RUNNING it had a moment before (issue 17).
+            assert stopped.json()["status"] in ("STOPPING", "STOPPED"), stopped.text
             bodies.append(stopped.text)
             wait_for(
                 lambda jid=job_id: client.get(f"/v1/jobs/{jid}").json()["status"] in ("STOPPED", "FAILED"),
@@ -213,7 +256,7 @@ def test_jobs_via_api_and_by_hand_are_listed_stopped_and_never_echo_the_ray_toke
             )
             again = client.post(f"/v1/jobs/{job_id}/stop", headers=AUTH)
             assert again.status_code == 409
-            logs = client.get(f"/v1/jobs/{job_id}/logs")
+            logs = client.get(f"/v1/jobs/{job_id}/logs", headers=AUTH)
             assert logs.status_code == 200 and logs.json()["job_id"] == job_id
             bodies += [logs.text, again.text, client.get(f"/v1/jobs/{job_id}").text]
         bodies.append(client.get("/readyz").text)

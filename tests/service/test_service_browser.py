@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import ray
 from playwright.sync_api import Page
-from service_support import LAYERS, LiveServer, chromium_page, make_settings, ray_cluster, step_records
+from service_support import (
+    API_TOKEN,
+    LAYERS,
+    LiveServer,
+    chromium_page,
+    make_settings,
+    ray_cluster,
+    step_records,
+)
 
 from service.ray_head import LocalRayHead
 from service.storage import open_storage
@@ -109,3 +117,33 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
             "() => document.getElementById('job-title').textContent.endsWith('SUCCEEDED')", timeout=30_000
         )
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+
+
+def test_guarded_reads_ask_for_the_token_once_per_tab(tmp_path: Path, page: Page) -> None:
+    """Reads need the token (a service bound beyond loopback, here forced by the setting): the
+    page asks for it once, keeps it for the tab (sessionStorage: a reload does not ask again)
+    and never writes it to localStorage."""
+    db = tmp_path / "db.sqlite"
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id="guarded-job", name="guarded", source="api", status="SUCCEEDED",
+            entrypoint="python -m jobs.train", spec={"method": "tail"},
+        )  # fmt: skip
+    with LiveServer(make_settings(db, None, read_requires_token=True)) as server:
+        page.goto(f"{server.url}/?poll_ms=300")
+        page.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
+        assert page.locator("#jobs-table tbody tr").count() == 0
+        page.fill("#token", API_TOKEN)
+        page.click("#token-form button")
+        page.wait_for_function(
+            "() => document.querySelector('#jobs-table tbody tr') !== null", timeout=30_000
+        )
+        assert page.locator("#jobs-table tbody tr").first.inner_text().startswith("guarded")
+        assert page.locator("#token-form").is_hidden()
+        page.reload()
+        page.wait_for_function(
+            "() => document.querySelector('#jobs-table tbody tr') !== null", timeout=30_000
+        )
+        assert page.locator("#token-form").is_hidden()
+        assert page.evaluate("() => sessionStorage.getItem('tailRayToken')") == API_TOKEN
+        assert page.evaluate("() => localStorage.getItem('tailRayToken')") is None

@@ -57,7 +57,8 @@ def test_real_tail_job_live_in_the_browser_and_across_a_service_restart(
 
         def two_ranks() -> bool:
             job = api.get(f"/v1/jobs/{job_id}").json()
-            assert job["status"] != "FAILED", api.get(f"/v1/jobs/{job_id}/logs").json()["logs"][-3000:]
+            logs = api.get(f"/v1/jobs/{job_id}/logs", headers=AUTH)
+            assert job["status"] != "FAILED", logs.json()["logs"][-3000:]
             layers = api.get(f"/v1/jobs/{job_id}/metrics/layers").json()
             return {row["layer"] for row in layers} == MODEL_LAYERS and all(
                 row["ranks"] == 2 for row in layers
@@ -107,7 +108,7 @@ def test_real_tail_job_live_in_the_browser_and_across_a_service_restart(
         steps = api.get(f"/v1/jobs/{job_id}/metrics/steps", params={"limit": 5000}).json()["items"]
         assert [p["step"] for p in steps] == list(range(STEPS))
         assert all(p["ranks"] == 2 and p["bytes_sent"] > 0 for p in steps)
-        result = cli._result_line(api.get(f"/v1/jobs/{job_id}/logs").json()["logs"])
+        result = cli._result_line(api.get(f"/v1/jobs/{job_id}/logs", headers=AUTH).json()["logs"])
         assert result["ok"] is True and 0 <= result["val_accuracy"] <= 1
 
         # The CLI reads the same through the REST API.

@@ -137,6 +137,9 @@ def test_ray_head_outage_gives_503_then_recovers_and_tokens_never_leak(
         "TAIL_RAY_INGEST_INTERVAL_S": "0.5",
         "TAIL_RAY_SYNC_INTERVAL_S": "1",
         "TAIL_RAY_RAY_TIMEOUT_S": "5",
+        # outage-job is a stand-in Ray never had: keep the reconciler from marking it lost
+        # before the outage this test is about.
+        "TAIL_RAY_LOST_AFTER_S": "3600",
     }
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -165,7 +168,7 @@ def test_ray_head_outage_gives_503_then_recovers_and_tokens_never_leak(
             assert created.json()["code"] == "ray_unavailable" and created.json()["detail"]
             stop = client.post("/v1/jobs/outage-job/stop", headers=auth)
             assert stop.status_code == 503 and stop.json()["code"] == "ray_unavailable"
-            logs = client.get("/v1/jobs/outage-job/logs")
+            logs = client.get("/v1/jobs/outage-job/logs", headers=auth)
             assert logs.status_code == 503 and logs.json()["code"] == "ray_unavailable"
             assert client.get("/v1/jobs").status_code == 200  # reads from the database still work
             assert client.get("/healthz").status_code == 200

@@ -1,9 +1,12 @@
+"""The fixed-setting baselines qsgd and topk, and the compressor registry's errors."""
+
 import numpy as np
 import pytest
 import torch
 
 from tail_ray import ConfigError, compressor_names, make_compressor
-from tail_ray.compression.wire import Kind, decode_payload
+from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.wire import decode_payload
 
 
 def _grads(seed=0):
@@ -20,8 +23,9 @@ def test_qsgd_uses_fixed_bits_and_is_stateless_without_feedback(bits):
     comp = make_compressor("qsgd", bits=bits, bucket_size=256)
     grads = _grads()
     recs = {r.name: r for r in decode_payload(comp.compress(grads))}
-    assert recs["w"].kind == Kind.QUANT and recs["w"].bits == bits and recs["w"].bucket_size == 256
-    assert recs["b"].kind == Kind.RAW_F32
+    w = recs["w"]
+    assert isinstance(w, QuantRecord) and w.bits == bits and w.bucket_size == 256
+    assert isinstance(recs["b"], RawRecord) and not recs["b"].fp16
     assert comp.state_dict() == {"residuals": {}}
     dec = make_compressor("qsgd").decompress(comp.compress(grads))
     err = float((dec["w"] - grads["w"].reshape(-1)).pow(2).sum() / grads["w"].pow(2).sum())
@@ -34,12 +38,22 @@ def test_qsgd_rejects_bad_bits():
         make_compressor("qsgd", bits=1)
 
 
+def test_an_unknown_setting_names_the_known_ones():
+    with pytest.raises(
+        ConfigError, match=r"compressor 'qsgd': unknown setting\(s\) \['bitz'\]; choose from"
+    ) as info:
+        make_compressor("qsgd", bitz=4)
+    assert "'bits'" in str(info.value) and "'bucket_size'" in str(info.value)
+    with pytest.raises(ConfigError, match="compressor 'none' takes no settings"):
+        make_compressor("none", bits=4)
+
+
 def test_topk_keeps_largest_and_feeds_back_the_rest():
     comp = make_compressor("topk", density=0.05)
     g = _grads(1)
     payload = comp.compress(g)
     rec = {r.name: r for r in decode_payload(payload)}["w"]
-    assert rec.kind == Kind.SPARSE_F32
+    assert isinstance(rec, SparseRecord)
     k = round(0.05 * g["w"].numel())
     assert len(rec.indices) == k
     flat = g["w"].reshape(-1).numpy()
@@ -57,7 +71,7 @@ def test_topk_rejects_bad_density():
         make_compressor("topk", density=0.0)
 
 
-def test_peers_send_nonfinite_layers_raw():
+def test_baselines_send_nonfinite_layers_raw():
     g = _grads(2)
     g["w"][0, 0] = float("inf")
     for name in ("qsgd", "topk"):

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tail_ray.bitwidth.stats import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.quantize import dequantize, n_buckets, quantize
 
 BITS = (2, 3, 4, 5, 6, 8)

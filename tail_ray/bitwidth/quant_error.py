@@ -16,29 +16,47 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-
-@njit(cache=True, nogil=True, fastmath=True)
-def _frac_sum(xb, inv):  # type: ignore[no-untyped-def]
-    """sum f (1 - f), f = frac(|x| * inv); truncation is floor since the argument is >= 0."""
-    acc = np.float32(0.0)
-    for i in range(xb.size):
-        y = abs(xb[i]) * inv
-        f = y - np.float32(np.int32(y))
-        acc += f * (np.float32(1.0) - f)
-    return acc
+from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
+from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, inline="always")
+def _frac_term(x, pre, inv):  # type: ignore[no-untyped-def]
+    y = (abs(x) * pre) * inv
+    f = y - np.float32(np.int32(y))  # truncation is floor since y >= 0; y <= L + 1
+    return f * (np.float32(1.0) - f)
+
+
+@njit(cache=True, nogil=True)
+def _frac_sum(xb, pre, inv, lanes):  # type: ignore[no-untyped-def]
+    """sum f (1 - f), f = frac(|x| * pre * inv), each operation rounded (no fastmath), summed in
+    the fixed lane layout of ``fixedsum``: the same bits on every CPU."""
+    lanes[:] = 0
+    n = xb.size
+    n_full = n - n % LANES
+    for lo in range(0, n_full, LANES):
+        blk = xb[lo : lo + LANES]
+        for j in range(LANES):
+            lanes[j] += _frac_term(blk[j], pre, inv)
+    for i in range(n_full, n):
+        lanes[i - n_full] += _frac_term(xb[i], pre, inv)
+    return lanes_total(lanes)
+
+
+@njit(cache=True, nogil=True)
 def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # type: ignore[no-untyped-def]
     """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f); returns (sum of x^2, non-zero buckets).
 
     Written as short loops over a bucket-sized scratch (slices, integer max-abs) so that LLVM
-    vectorizes each of them; the bucket stays in L1 across the candidates.
+    vectorizes each of them; the bucket stays in L1 across the candidates. No fastmath: the
+    sums use fixed lanes, so the estimate (and the bits it picks) is the same on every CPU;
+    squares are summed in float64, so a huge finite layer gives a finite estimate.
     """
     n = g.size
-    den = 0.0
-    nonzero = 0
     scratch = np.empty(bucket_size, np.float32)
+    sq_lanes = np.zeros(LANES, np.float64)
+    frac_lanes = np.zeros(LANES, np.float32)  # terms are <= 1/4: float32 lanes lose nothing that matters
+    nonzero = 0
     box = np.empty(1, np.int32)
     fbox = box.view(np.float32)
     for t in range(bucket_ids.size):
@@ -49,28 +67,28 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
         gb = g[lo:hi]
         if use_e:
             eb = e[lo:hi]
-            for i in range(xb.size):
-                xb[i] = gb[i] + eb[i]
+            for i in range(xb.size):  # saturated as the quantizer does it
+                xb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
         else:
             for i in range(xb.size):
                 xb[i] = gb[i]
         u = xb.view(np.int32)
         mi = np.int32(0)
-        sq = np.float32(0.0)
         for i in range(u.size):
             mi = max(mi, u[i] & np.int32(0x7FFFFFFF))
-            sq += xb[i] * xb[i]
-        den += np.float64(sq)
+        add_squares(xb, sq_lanes)
         box[0] = mi
         m = fbox[0]
         if m == 0:
             continue
         nonzero += 1
+        # As in the quantizer: L / s must not overflow (every fraction would be inf - inf = NaN).
+        pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
         for j in range(lmaxes.size):
             lf = np.float32(lmaxes[j])
             step = np.float64(m) / np.float64(lf)
-            num[j] += step * step * np.float64(_frac_sum(xb, lf / m))
-    return den, nonzero
+            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes))
+    return lanes_total(sq_lanes), nonzero
 
 
 def bucket_errors(
@@ -83,7 +101,7 @@ def bucket_errors(
     """(sum of expected squared errors per candidate bits, sum of squares, non-zero buckets)
     over ``bucket_ids``. The values are those of g + residual (or g alone when residual is None).
     """
-    lmaxes = np.array([(1 << (b - 1)) - 1 if b > 1 else 1 for b in candidate_bits], dtype=np.int64)
+    lmaxes = np.array([levels_max(b) for b in candidate_bits], dtype=np.int64)
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g
     den, nonzero = _bucket_error_sums(g, e, residual is not None, bucket_size, bucket_ids, lmaxes, num)

@@ -1,0 +1,108 @@
+"""The mean over ranks of decoded payloads, written into the gradients a collective hands over.
+
+Two entry points, bit-identical to each other on the same payloads:
+- ``mean_tensors_into``: decoded tensors (any compressor's ``decompress``);
+- ``mean_records_into``: decoded records (levels and scales, not yet dequantized). A layer
+  quantized on every rank is dequantized, summed and divided in one numba pass
+  (``quantize.mean_dequantized_into``) straight into the gradient when it is CPU fp32
+  contiguous: no per-rank float32 copy. Any other layer (raw, sparse, or a mix, e.g. one rank
+  sent a non-finite layer raw) is decoded to tensors and averaged as above.
+
+Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
+divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
+or its fused form, so a layer averages to the same bits whichever path it takes and on any
+CPU. Both check every layer of every rank before writing anything: a payload that lacks a
+layer or sizes it differently is a ``CodecError`` naming the rank and the layer, and leaves
+the gradients as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from tail_ray.compression.quantize import mean_dequantized_into, mean_into
+from tail_ray.compression.record_tensors import record_to_flat
+from tail_ray.compression.records import LayerRecord, QuantRecord
+from tail_ray.errors import CodecError
+
+T = TypeVar("T")
+
+
+def _by_layer(
+    by_rank: Sequence[Mapping[str, T]], into: Mapping[str, torch.Tensor], numel_of: Callable[[T], int]
+) -> list[list[T]]:
+    """Every rank's entry for each layer of ``into``, in rank order; a CodecError for a layer a
+    rank lacks or sizes differently from its gradient."""
+    layers: list[list[T]] = []
+    for name, g in into.items():
+        entries = []
+        for rank, decoded in enumerate(by_rank):
+            entry = decoded.get(name)
+            if entry is None:
+                raise CodecError(f"rank {rank}'s payload lacks this layer", layer=name, field="name")
+            numel = numel_of(entry)
+            if numel != g.numel():
+                raise CodecError(
+                    f"rank {rank}'s payload has {numel} elements, the gradient {g.numel()}",
+                    layer=name,
+                    field="numel",
+                )
+            entries.append(entry)
+        layers.append(entries)
+    return layers
+
+
+def _copy_mean(g: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """g <- the grid's rank mean of decoded tensors (``mean_into``: the fused path's arithmetic)."""
+    direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
+    out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
+    # This rank's own raw record aliases the gradient (it is sent uncopied): then the mean is
+    # made beside it and copied in, so no rank's values are overwritten while being read.
+    values = [t.detach().to("cpu", torch.float32).reshape(-1).numpy() for t in tensors]
+    if direct and any(np.shares_memory(v, out) for v in values):
+        out = np.empty(g.numel(), dtype=np.float32)
+        direct = False
+    mean_into(values, out)
+    if not direct:
+        g.copy_(torch.from_numpy(out).view(g.shape))
+
+
+def mean_tensors_into(
+    decoded_by_rank: Sequence[Mapping[str, torch.Tensor]], into: Mapping[str, torch.Tensor]
+) -> None:
+    """Write the mean over ranks of each layer of ``into`` (flat decoded tensors) into it."""
+    if not decoded_by_rank:
+        raise ValueError("nothing to average: no payloads")
+    layers = _by_layer(decoded_by_rank, into, lambda t: t.numel())
+    for g, tensors in zip(into.values(), layers, strict=True):
+        _copy_mean(g, tensors)
+
+
+def mean_records_into(
+    records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
+) -> None:
+    """Write the mean over ranks of each layer of ``into`` (decoded records) into it,
+    bit-identical to ``mean_tensors_into`` on the same payloads decoded to tensors."""
+    if not records_by_rank:
+        raise ValueError("nothing to average: no payloads")
+    layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
+    for g, recs in zip(into.values(), layers, strict=True):
+        quant = [r for r in recs if isinstance(r, QuantRecord)]
+        if len(quant) < len(recs):
+            _copy_mean(g, [record_to_flat(rec) for rec in recs])
+            continue
+        direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
+        out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
+        mean_dequantized_into(
+            [r.levels for r in quant],
+            [r.scales for r in quant],
+            [r.bits for r in quant],
+            [r.bucket_size for r in quant],
+            out,
+        )
+        if not direct:
+            g.copy_(torch.from_numpy(out).view(g.shape))

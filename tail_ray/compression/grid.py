@@ -1,0 +1,82 @@
+"""The quantization grid, defined once: L, the step, the reference dequantizer, the rank mean.
+
+A layer quantized at ``bits`` has integer levels in [-L, L], L = 2^(bits-1) - 1, and one
+scale s per bucket (the bucket's max |x|). Its decoded value is, in float32 with every
+operation rounded on its own (IEEE round-to-nearest, no fused multiply-add):
+
+    step  = s * (1 / L)          the bucket's grid step; 1 / L is itself rounded to float32
+    value = float32(level) * step
+
+and the mean over R ranks of a layer is their values added in rank order in float64, then
+divided by R in float64, then rounded to float32:
+
+    mean  = float32((v_0 + v_1 + ... + v_{R-1}) / R)
+
+These are the only definitions. The numba kernels (``quantize.dequantize``, the fused
+decode-average ``quantize.mean_dequantized_into``, the controller's sampled view
+``layers.sample_stack``, the quantizer's error-feedback residual x - value) compute exactly
+these operations, none of them compiled with fastmath, so LLVM may neither reassociate nor
+contract them and the bits are the same on every CPU (AVX-512, AVX2, plain x86-64, aarch64);
+tests/compression/test_grid.py checks each kernel against the numpy functions below, also
+with numba compiling for other CPUs.
+
+Why this form: ``s * (1 / L)`` (not ``s / L``) never overflows: L * step stays finite for
+every finite s, up to float32's max (``s / L`` rounds up past it for L = 31 and 127), so a
+huge finite gradient decodes to a finite value. The mean in float64 cannot overflow either
+(R values of up to 3.4e38 each), and its rounded result is at most the largest |value|.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+F32_MAX = np.float32(np.finfo(np.float32).max)
+# Below this scale L / s could overflow float32 (s < L / 3.4e38 ~ 2^-121): the quantizer and
+# the controller's estimate multiply such a bucket by 2^64 first (exact: a power of two, far
+# from overflow). Decoding does not care: step = s * (1 / L) is just small.
+TINY_SCALE = np.float32(2.0**-64)
+TINY_PRESCALE = np.float32(2.0**64)
+
+
+def levels_max(bits: int) -> int:
+    """L = 2^(bits-1) - 1 for 2 <= bits <= 8: levels lie in [-L, L]."""
+    if not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be in {MIN_BITS}..{MAX_BITS}, got {bits}")
+    return (1 << (bits - 1)) - 1
+
+
+def inverse_levels_max(bits: int) -> np.float32:
+    """1 / L rounded to float32: the factor every step is made with."""
+    return np.float32(1.0) / np.float32(levels_max(bits))
+
+
+def n_buckets(numel: int, bucket_size: int) -> int:
+    return -(-numel // bucket_size)
+
+
+def bucket_steps(scales: np.ndarray, bits: int) -> np.ndarray:
+    """Per-bucket grid step ``scale * (1 / L)`` in float32."""
+    return np.ascontiguousarray(scales, dtype=np.float32).reshape(-1) * inverse_levels_max(bits)
+
+
+def dequantize_reference(levels: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int) -> np.ndarray:
+    """``float32(level) * step`` per element, in plain numpy (one IEEE multiply per element,
+    whatever SIMD path numpy takes): the values every dequantizing kernel must reproduce."""
+    lv = np.asarray(levels).reshape(-1)
+    per_elem = np.repeat(bucket_steps(scales, bits), bucket_size)[: lv.size]
+    return lv.astype(np.float32) * per_elem
+
+
+def mean_reference(values_by_rank: Sequence[np.ndarray]) -> np.ndarray:
+    """The rank mean: float64 sum in rank order (starting from rank 0's value), / R, to float32."""
+    if not values_by_rank:
+        raise ValueError("the mean needs at least one rank")
+    acc = np.asarray(values_by_rank[0], dtype=np.float64).reshape(-1).copy()
+    for v in values_by_rank[1:]:
+        acc += np.asarray(v, dtype=np.float32).reshape(-1)
+    return (acc / np.float64(len(values_by_rank))).astype(np.float32)

@@ -1,0 +1,38 @@
+"""The "none" compressor: every layer raw fp32 (the exact reference for the payload path).
+
+It implements only ``compress`` and ``decompress``: everything else is the contract's default
+(decode every payload, average), so it also shows what a compressor needs at the least.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tail_ray.compression.base import Compressor
+from tail_ray.compression.record_tensors import records_to_flat
+from tail_ray.compression.records import RawRecord
+from tail_ray.compression.stats import LayerStats
+from tail_ray.compression.wire import decode_payload, encode_payload
+
+
+class RawCompressor(Compressor):
+    """Raw fp32: exact, the accuracy baseline of the all-gather path."""
+
+    name = "none"
+
+    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        records = [
+            RawRecord(name, t.detach().reshape(-1).to("cpu", torch.float32).numpy())
+            for name, t in grads.items()
+        ]
+        payload, costs = encode_payload(records)
+        self._last_stats = [
+            LayerStats(c.name, r.numel, 32, 1.0, 4 * r.numel, c.encoded_bytes, 0.0, c.code)
+            for r, c in zip(records, costs, strict=True)
+        ]
+        return payload
+
+    def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
+        return records_to_flat(decode_payload(payload))

@@ -1,0 +1,239 @@
+"""RecordCompressor: the template the record-producing compressors (qsgd, topk, tail) fill in.
+
+``compress`` is a template method. Per layer it applies one policy, the same for every
+subclass, then asks the subclass for the layer's record:
+
+    small layer (< raw_below_numel)  -> raw fp32 record
+    non-finite layer (NaN/Inf)       -> raw fp32 record, UNCHANGED, residual left as it was
+                                        (DDP and GradScaler see what plain DDP would)
+    otherwise                        -> ``compress_layer(name, g, sum_sq)``: the subclass's code
+
+then encodes the records into one payload with per-layer stats. It keeps the records of the
+latest call, so ``aggregate`` takes this rank's own entry from them instead of entropy-decoding
+its own payload (the coding is lossless, so this is bit-identical).
+
+Residuals live in an injected ``ErrorFeedback`` (None: error feedback off), which also owns
+their norms; ``fold_residuals`` and ``state_dict`` / ``load_state_dict`` of the residuals are
+defined here once. Subclasses add hooks where they need them: ``begin_call`` (counters
+before a call's layers), ``observe_peers`` (a controller's view of every rank's records) and
+``state_dict`` / ``load_state_dict`` extensions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tail_ray.compression.aggregate import mean_records_into
+from tail_ray.compression.base import Compressor
+from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.stats import LayerStats
+from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
+from tail_ray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Warn about non-finite layers at most this many times per process: a diverging run would
+# otherwise flood the log every step.
+_NONFINITE_WARNINGS = 5
+_nonfinite_warned = 0
+
+
+def warn_nonfinite(name: str) -> None:
+    global _nonfinite_warned
+    if _nonfinite_warned < _NONFINITE_WARNINGS:
+        _nonfinite_warned += 1
+        log.warning(
+            "layer %r has NaN/Inf gradients: sent raw fp32 unchanged (as plain DDP would), "
+            "its error-feedback residual is left as it was",
+            name,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedLayer:
+    """What compressing one layer gave: its record, the engine's estimate of the relative
+    error it adds, and its non-zero levels / kept values (None: dense, every value sent)."""
+
+    record: LayerRecord
+    rel_error: float = 0.0
+    nnz: int | None = None
+
+
+def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
+    """One LayerStats from what was sent and its cost.
+
+    Density is the share of elements the payload carries as non-zero: the wire's own count
+    (``cost.nnz``: non-zero levels of a quantized layer whatever its code, kept values of a
+    sparse one), so it is in [0, 1] for every code; 1 for a raw layer (every value is sent).
+    ``nnz``, the compressor's count of the same thing, is no longer needed for it (a kernel
+    that miscounted once put -1.3e8 on the dashboard) and is kept only for the callers.
+    """
+    match rec:
+        case QuantRecord():
+            bits, density = rec.bits, cost.nnz / rec.numel if rec.numel else 0.0
+        case RawRecord():
+            bits, density = (16 if rec.fp16 else 32), 1.0
+        case SparseRecord():
+            bits, density = 32, cost.nnz / rec.numel if rec.numel else 0.0
+    return LayerStats(
+        layer=rec.name,
+        numel=rec.numel,
+        bits=bits,
+        density=float(density),
+        raw_bytes=4 * rec.numel,
+        encoded_bytes=cost.encoded_bytes,
+        rel_error=float(rel_error),
+        code=cost.code,
+    )
+
+
+def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[LayerStats]]:
+    """Encode one call's records into one payload and pair each layer's wire cost with its
+    error and density, so ``last_stats`` means the same for every record compressor."""
+    payload, costs = encode_payload([layer.record for layer in layers])
+    stats = [
+        layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+        for layer, cost in zip(layers, costs, strict=True)
+    ]
+    return payload, stats
+
+
+class RecordSettings(Protocol):
+    """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,
+    TailConfig): the raw policy's threshold and whether error feedback is on."""
+
+    @property
+    def raw_below_numel(self) -> int: ...
+
+    @property
+    def error_feedback(self) -> bool: ...
+
+
+class RecordCompressor(Compressor):
+    """Base of QSGDCompressor, TopKCompressor and TailCompressor; see the module docstring."""
+
+    name = "record"
+
+    def __init__(self, settings: RecordSettings, *, feedback: ErrorFeedback | None = None) -> None:
+        """``feedback``: the error-feedback memory to run with (injected, e.g. one kept on another
+        device or shared with a second stage); a fresh one when None; none at all when
+        ``settings.error_feedback`` is off."""
+        super().__init__()
+        self.raw_below_numel = int(settings.raw_below_numel)
+        if not settings.error_feedback and feedback is not None:
+            raise ConfigError(f"{self.name}: an error-feedback memory was given but error_feedback is false")
+        self.feedback: ErrorFeedback | None = None
+        if settings.error_feedback:
+            self.feedback = feedback if feedback is not None else ErrorFeedback()
+        self._own_records: list[LayerRecord] | None = None  # what the latest ``compress`` sent
+
+    # --- sending: the template ------------------------------------------------------------
+    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        layers = self.compress_records(grads)
+        payload, self._last_stats = encode_with_stats(layers)
+        self._own_records = [layer.record for layer in layers]
+        return payload
+
+    def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[CompressedLayer]:
+        """The engine's part of ``compress``: everything but the wire's encoding."""
+        self.begin_call(grads)
+        return [self._compress_one(name, as_flat_f32(t)) for name, t in grads.items()]
+
+    def _compress_one(self, name: str, g: np.ndarray) -> CompressedLayer:
+        if g.size < max(self.raw_below_numel, 1):
+            return CompressedLayer(RawRecord(name, g))
+        sum_sq = float(sum_squares(g))
+        if not math.isfinite(sum_sq):
+            warn_nonfinite(name)
+            return CompressedLayer(RawRecord(name, g))
+        return self.compress_layer(name, g, sum_sq)
+
+    def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Called once per ``compress`` before any layer (counters, seeds); nothing by default."""
+        return None  # a no-op by default
+
+    @abstractmethod
+    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
+        """The subclass's code for one finite layer of at least ``raw_below_numel`` elements:
+        ``g`` is its flat float32 gradient (read-only), ``sum_sq`` its sum of squares."""
+
+    def quantize_layer(
+        self, name: str, g: np.ndarray, bits: int, bucket_size: int, seed: int
+    ) -> tuple[QuantRecord, int]:
+        """Stochastic quantization of g + e in one fused pass (Tail's and qsgd's kernel), which
+        also writes the new residual and its norm; returns the record and its non-zero levels."""
+        levels = np.empty(g.size, dtype=np.int8)
+        scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
+        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
+        if self.feedback is not None:
+            self.feedback.measured(name, err_sq)
+        return QuantRecord(name, bits, bucket_size, scales, levels), int(nnz)
+
+    # --- receiving ------------------------------------------------------------------------
+    def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
+        return records_to_flat(decode_payload(payload))
+
+    @staticmethod
+    def decompress_records(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:
+        """The engine's part of ``decompress``: dequantize decoded records."""
+        return records_to_flat(records)
+
+    def aggregate(
+        self, payloads: Sequence[bytes], into: Mapping[str, torch.Tensor], *, own: int | None = None
+    ) -> None:
+        """Decode every rank's payload to records (this rank's own from the latest ``compress``,
+        handed out once), show them to ``observe_peers``, and write the mean into ``into``."""
+        mine, self._own_records = self._own_records, None
+        # A payload may describe at most these elements: a crafted or garbled one that claims a
+        # huge (e.g. all-zero sparse) layer fails before anything that size is allocated.
+        max_numel = sum(g.numel() for g in into.values())
+        records_by_rank = [
+            {
+                rec.name: rec
+                for rec in (
+                    mine if rank == own and mine is not None else decode_payload(p, max_numel=max_numel)
+                )
+            }
+            for rank, p in enumerate(payloads)
+        ]
+        # Before the mean is written: this rank's raw records alias its gradients.
+        self.observe_peers(records_by_rank)
+        mean_records_into(records_by_rank, into)
+
+    def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
+        """Every rank's decoded records of one exchange (a controller's noise estimate); no-op."""
+        return None  # a no-op by default
+
+    # --- error feedback and checkpoints --------------------------------------------------
+    def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
+        if self.feedback is not None:
+            self.feedback.fold_into(grads)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"residuals": {name: tensor}}``; subclasses add their own keys."""
+        return {"residuals": self.feedback.state_dict() if self.feedback is not None else {}}
+
+    def load_state_dict(self, state: Mapping[str, Any], *, residuals: bool = True) -> None:
+        """Residuals are per worker: restored on a restart with the same workers; with
+        ``residuals=False`` (a resize) every worker starts from zero. Giving rank 0's residual
+        to every new worker would apply it W times over; dropping it loses at most one step's
+        compression error per layer. A residual whose size no longer matches its layer is
+        reset to zero on first use."""
+        if self.feedback is None:
+            return
+        if residuals:
+            self.feedback.load_state_dict(state["residuals"])
+        else:
+            self.feedback.reset()

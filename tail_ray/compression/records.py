@@ -1,0 +1,79 @@
+"""What one layer is on the wire: a tagged union of records, one class per kind.
+
+A compressor builds records, the wire encodes them (wire.py) and decodes them back:
+
+    QuantRecord    integer levels in [-L, L] at ``bits`` and one float32 scale per bucket
+    RawRecord      the values themselves, float32 (or float16 on the wire: ``fp16``)
+    SparseRecord   sorted unique positions in [0, numel) and their float32 values (top-k)
+
+Each class carries exactly the arrays its kind needs, so code that holds one never checks
+for a missing array: ``match`` on the class (or ``isinstance``) and read the fields. ``kind``
+is the wire's tag (``Kind``), ``numel`` the layer's element count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+import numpy as np
+
+
+class Kind(IntEnum):
+    """The wire's record kinds (the layer header's ``kind`` byte)."""
+
+    RAW_F32 = 0  # values: float32[numel]
+    RAW_F16 = 1  # values: float16[numel] (decoded to float32)
+    QUANT = 2  # levels: int8[numel] in [-L, L], scales: float32[ceil(numel / bucket_size)]
+    SPARSE_F32 = 3  # indices: int64[nnz] strictly increasing, values: float32[nnz]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class QuantRecord:
+    """A quantized layer: ``levels`` (int8, flat) in [-L, L] at ``bits`` (2..8), and one scale
+    per ``bucket_size`` consecutive levels (the bucket's max |x|)."""
+
+    kind: ClassVar[Kind] = Kind.QUANT
+    name: str
+    bits: int
+    bucket_size: int
+    scales: np.ndarray
+    levels: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        return int(self.levels.size)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RawRecord:
+    """A layer sent as its values: float32, or float16 on the wire when ``fp16`` (decoded back
+    to float32)."""
+
+    name: str
+    values: np.ndarray
+    fp16: bool = False
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.RAW_F16 if self.fp16 else Kind.RAW_F32
+
+    @property
+    def numel(self) -> int:
+        return int(self.values.size)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SparseRecord:
+    """A layer of ``numel`` elements of which only ``indices`` (int64, strictly increasing)
+    are sent, with their float32 ``values``; every other element is zero."""
+
+    kind: ClassVar[Kind] = Kind.SPARSE_F32
+    name: str
+    numel: int
+    indices: np.ndarray
+    values: np.ndarray
+
+
+LayerRecord = QuantRecord | RawRecord | SparseRecord

@@ -1,0 +1,151 @@
+"""Digest of every numeric kernel's output bits on fixed inputs, for the cross-CPU test.
+
+``python tests/compression/isa_digest.py`` prints one JSON object {kernel: sha256 of its
+output bytes}. test_grid.py runs it under ``NUMBA_CPU_NAME=generic`` (plain x86-64: SSE2, no
+FMA) and ``haswell`` (AVX2 + FMA) and compares with this process's own build (the host CPU,
+AVX-512 on the development machine): any kernel whose rounding depends on the instruction set
+shows up as a differing entry. The inputs include huge finite values (up to float32's max),
+subnormal buckets and lengths that leave scalar tails, where ISA differences hide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.compression.fixedsum import sum_squares
+from tail_ray.compression.quantize import (
+    dequantize,
+    mean_dequantized_into,
+    mean_into,
+    n_buckets,
+    quantize,
+    quantize_finite,
+)
+from tail_ray.compression.record_tensors import sample_stack
+from tail_ray.compression.records import QuantRecord
+from tail_ray.compression.tail import TailCompressor, TailConfig
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _gradient(n: int, seed: int) -> np.ndarray:
+    """Heavy-tailed values with a few awkward buckets: huge, subnormal, all-zero."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_t(3, size=n) * 1e-3).astype(np.float32)
+    x[:300] = rng.uniform(-F32_MAX, F32_MAX, 300).astype(np.float32)  # huge (first bucket)
+    x[512:1024] = (rng.standard_normal(512) * 1e-40).astype(np.float32)  # subnormal bucket
+    x[1024:1536] = 0.0
+    return x
+
+
+def _digest(parts: list[np.ndarray | bytes | float | int]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, bytes):
+            h.update(p)
+        elif isinstance(p, np.ndarray):
+            h.update(np.ascontiguousarray(p).tobytes())
+        else:
+            h.update(np.float64(p).tobytes())
+    return h.hexdigest()
+
+
+def digests() -> dict[str, str]:
+    out: dict[str, str] = {}
+    n = 70_001  # not a multiple of any bucket or vector width: scalar tails everywhere
+    g = _gradient(n, 1)
+
+    def record(name: str, fn: Callable[[], list[np.ndarray | bytes | float | int]]) -> None:
+        out[name] = _digest(fn())
+
+    record("sum_squares", lambda: [sum_squares(g), sum_squares(g[:1001])])
+
+    quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for bits in (2, 3, 4, 8):
+        levels = np.empty(n, np.int8)
+        scales = np.empty(n_buckets(n, 512), np.float32)
+        nnz = quantize(g, bits, 512, 5, levels, scales)
+        quantized[bits] = (levels, scales)
+        out[f"quantize_{bits}b"] = _digest([levels, scales, nnz])
+
+        residual = np.zeros(n, np.float32)
+        parts: list[np.ndarray | bytes | float | int] = []
+        for step in range(3):  # the residual feeds back: three steps of error feedback
+            nnz, err = quantize_finite(g, residual, bits, 512, 10 + step, levels, scales)
+            parts += [levels.copy(), scales.copy(), residual.copy(), nnz, err]
+        out[f"quantize_ef_{bits}b"] = _digest(parts)
+
+    for bits, bucket in ((2, 512), (4, 7), (8, 100), (8, 1000)):
+        rng = np.random.default_rng(bits + bucket)
+        lmax = (1 << (bits - 1)) - 1
+        lv = rng.integers(-lmax, lmax + 1, n).astype(np.int8)
+        sc = rng.random(n_buckets(n, bucket)).astype(np.float32)
+        sc[:3] = (F32_MAX, 1e-40, 3e38)
+        out[f"dequantize_{bits}b_{bucket}"] = _digest([dequantize(lv, sc, bits, bucket)])
+
+    ranks = [quantized[b] for b in (2, 3, 4, 8)]
+    for world in (2, 3, 4):
+        mean = np.empty(n, np.float32)
+        mean_dequantized_into(
+            [r[0] for r in ranks[:world]],
+            [r[1] for r in ranks[:world]],
+            [2, 3, 4, 8][:world],
+            [512] * world,
+            mean,
+        )
+        decoded = [
+            dequantize(lv, sc, b, 512) for (lv, sc), b in zip(ranks[:world], (2, 3, 4, 8), strict=False)
+        ]
+        plain = np.empty(n, np.float32)
+        mean_into(decoded, plain)
+        out[f"mean_{world}_ranks"] = _digest([mean, plain])
+
+    records = [
+        QuantRecord("w", b, 512, scales=sc, levels=lv)
+        for (lv, sc), b in zip(ranks, (2, 3, 4, 8), strict=True)
+    ]
+    record("sample_stack", lambda: [sample_stack(records, s).numpy() for s in (1, 7)])
+
+    record(
+        "relative_errors",
+        lambda: [
+            relative_errors(
+                g, None, 512, (2, 3, 4, 5, 6, 8), sample_numel=None, rng=np.random.default_rng(0)
+            ),
+            relative_errors(g, g * 0.5, 512, (2, 4, 8), sample_numel=4096, rng=np.random.default_rng(0)),
+        ],
+    )
+
+    # The whole pipeline: controller, quantizer, error feedback, codes, wire; and decoding.
+    comp = TailCompressor(TailConfig(seed=3))
+    payloads: list[np.ndarray | bytes | float | int] = []
+    decoded_bits: list[np.ndarray | bytes | float | int] = []
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        grads = {
+            "huge": torch.from_numpy(_gradient(20_000, 5)),
+            "w": torch.from_numpy((rng.standard_normal(50_000) * 1e-2).astype(np.float32)),
+            "sparse": torch.from_numpy(
+                np.where(rng.random(40_000) < 0.02, rng.standard_normal(40_000), 0).astype(np.float32)
+            ),
+            "bias": torch.from_numpy(rng.standard_normal(64).astype(np.float32)),
+        }
+        payload = comp.compress(grads)
+        payloads.append(payload)
+        payloads += [
+            repr([(s.layer, s.bits, s.density, s.encoded_bytes, s.code) for s in comp.last_stats]).encode()
+        ]
+        decoded_bits += [t.numpy() for t in TailCompressor().decompress(payload).values()]
+    out["tail_payloads"] = _digest(payloads)
+    out["tail_decoded"] = _digest(decoded_bits)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(digests(), sort_keys=True))
