@@ -12,6 +12,12 @@ from service.storage.sql import Row, SqlBase
 _TERMINAL_SQL = "(" + ", ".join(f"'{s}'" for s in TERMINAL) + ")"
 
 
+def _clean(text: str) -> str:
+    """Without U+0000, which PostgreSQL's text cannot hold: a job Ray reports (its entrypoint,
+    an error message) is copied as it is otherwise, on both backends."""
+    return text.replace("\x00", "")
+
+
 class JobsSql(SqlBase):
     def insert_job(
         self,
@@ -26,12 +32,13 @@ class JobsSql(SqlBase):
         message: str = "",
     ) -> bool:
         now = time.time()
+        text = (_clean(name), _clean(message), _clean(entrypoint))
         spec_json = json.dumps(spec) if spec is not None else None
         with self._write() as tx:
             inserted = tx.run(
                 "INSERT INTO jobs (id, name, source, status, message, entrypoint, spec_json, created_at,"
                 " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (job_id, name, source, status, message, entrypoint, spec_json, created_at or now, now),
+                (job_id, text[0], source, status, text[1], text[2], spec_json, created_at or now, now),
             )
             if inserted:
                 tx.run(
@@ -49,6 +56,7 @@ class JobsSql(SqlBase):
         started_at: float | None = None,
         ended_at: float | None = None,
     ) -> None:
+        message = None if message is None else _clean(message)
         with self._write() as tx:
             tx.run(
                 "UPDATE jobs SET status = ?, message = COALESCE(?, message),"

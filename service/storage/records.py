@@ -3,8 +3,8 @@
 Pure Python, no database: both backends store exactly these tuples. A malformed record is
 skipped and counted (it must not wedge the cursor); non-finite floats become NULL (JSON has
 no NaN, and a worker that measured 0/0 still sent a record worth keeping), and so does a share
-(density) outside [0, 1]; integers outside SQL BIGINT are malformed (beyond it the whole
-batch would fail).
+(density) outside [0, 1]; integers outside SQL BIGINT and text with a NUL byte are malformed
+(beyond BIGINT, or with U+0000 on PostgreSQL, the whole batch would fail).
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ def _real(value: Any) -> float | None:
     return real if math.isfinite(real) else None
 
 
+def _text(value: Any) -> str:
+    text = str(value)
+    if "\x00" in text:  # PostgreSQL's text cannot hold it: the whole page would fail there
+        raise ValueError("text with a NUL byte")
+    return text
+
+
 def _share(value: Any) -> float | None:
     """A share (density) is stored only when in [0, 1]: outside it is a worker's bug, shown as
     unknown rather than plotted."""
@@ -49,9 +56,9 @@ def _share(value: Any) -> float | None:
 # out rather than looped over field names, because this runs once per record at 100k records/s.
 def _layer_row(job_id: str, seq: int, r: dict[str, Any]) -> tuple[Any, ...]:
     return (
-        job_id, seq, _int(r["step"]), _int(r["rank"]), str(r["layer"]), _int(r["numel"]),
+        job_id, seq, _int(r["step"]), _int(r["rank"]), _text(r["layer"]), _int(r["numel"]),
         _int(r["bits"]), _share(r["density"]), _int(r["raw_bytes"]), _int(r["encoded_bytes"]),
-        _real(r["ratio"]), _real(r["rel_error"]), str(r["code"]),
+        _real(r["ratio"]), _real(r["rel_error"]), _text(r["code"]),
     )  # fmt: skip
 
 
@@ -59,7 +66,7 @@ def _step_row(job_id: str, seq: int, r: dict[str, Any]) -> tuple[Any, ...]:
     return (
         job_id, seq, _int(r["step"]), _int(r["rank"]), _int(r["world_size"]), _int(r["bytes_sent"]),
         _int(r["bytes_received"]), _int(r["raw_bytes"]), _real(r["compress_s"]), _real(r["decode_s"]),
-        _real(r["comm_s"]), _real(r["step_s"]), _real(r["loss"]), str(r["method"]),
+        _real(r["comm_s"]), _real(r["step_s"]), _real(r["loss"]), _text(r["method"]),
         _real(r["wall_time_s"]),
     )  # fmt: skip
 

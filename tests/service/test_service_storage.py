@@ -438,3 +438,23 @@ def test_the_ingester_thins_every_job_to_the_retention_setting(store: Storage, t
     text = render_prometheus(store, settings, ingest_ok=True)
     assert f'tail_ray_storage_records{{kind="step"}} {float(len(kept_j1) + len(kept_j2))!r}' in text
     assert f"tail_ray_storage_pruned_records_total {float(deleted)!r}" in text
+
+
+def test_text_with_a_nul_byte_is_skipped_not_fatal(store: Storage) -> None:
+    """PostgreSQL's text cannot hold U+0000: one such layer name from a worker failed the whole
+    page there, so the cursor never moved and ingest stalled on it. Both backends skip it."""
+    recs, last = _batch(step_records("j1", 0, ranks=1), 1)
+    recs[0] = {**recs[0], "layer": "conv1\x00.weight"}
+    recs[-1] = {**recs[-1], "method": "tail\x00"}
+    store.ingest("j1", IngestBatch(recs, last))
+    assert store.cursor("j1") == last and store.seqs("j1") == list(range(2, last))
+
+
+def test_job_text_from_ray_with_a_nul_byte_is_stored_without_it(store: Storage) -> None:
+    """A job Ray reports (entrypoint, status message) is copied as it is, less any U+0000."""
+    store.insert_job(
+        job_id="j2", name="j2", source="ray", status="RUNNING", entrypoint="python\x00 x", spec=None
+    )
+    store.update_job_status("j2", "FAILED", "died: \x00core dumped")
+    job = store.get_job("j2")
+    assert job is not None and (job.entrypoint, job.message) == ("python x", "died: core dumped")
