@@ -6,7 +6,12 @@ Two worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ra
 train each (task, method) through the SAME comm hook code the Ray Train jobs use
 (tail_ray.collective.register_tail_hook). Tasks, with the settings of jobs/configs:
 - digits: digits_cnn on scikit-learn's digits, SGD momentum 0.9, lr 0.05 dropped x0.1 at 75%;
-- lm: char_transformer on the standard library's source, AdamW lr 3e-3 dropped x0.1 at 80%.
+- lm: char_transformer on the standard library's source, AdamW lr 3e-3 dropped x0.1 at 80%;
+- gpt2: examples/gpt2_tiny.py's Hugging Face GPT-2 (small config) on standard-library
+  docstrings, AdamW lr 3e-3 (needs ``transformers``: the ``examples`` extra);
+- resnet18: examples/resnet18_cifar.py's ResNet-18 (11.2M parameters) on digits upscaled to
+  CIFAR's 32x32x3, SGD momentum 0.9, lr 0.05 dropped x0.1 at 75%.
+The last two are users' own models: their code is the example scripts', imported as they are.
 
 Printed per (task, method): final validation accuracy / loss, bytes sent per worker per step,
 traffic reduction against "none" (over the whole run, and over its second half, after the
@@ -26,9 +31,10 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,11 +50,55 @@ WORLD_SIZE = 2
 WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
 
 
+class TaskData(Protocol):
+    """A task's data as the benchmark uses it: deterministic batches, the loss, the final metric."""
+
+    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Any: ...
+
+    def loss(self, model: nn.Module, *batch: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]: ...
+
+
+class RegistryData:
+    """A dataset of tail_ray.runner's registry as ``TaskData``."""
+
+    def __init__(self, dataset: str) -> None:
+        self.ds = make_dataset(dataset, seed=SEED)
+
+    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Any:
+        return self.ds.batch(seed=SEED, step=step, rank=rank, world_size=world_size, batch_size=batch_size)
+
+    def loss(self, model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+        x, y = batch
+        return loss_fn(self.ds, model(x), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return evaluate(model, self.ds)
+
+
+def _registry(dataset: str, model: str) -> Callable[[], tuple[nn.Module, TaskData]]:
+    def build() -> tuple[nn.Module, TaskData]:
+        data = RegistryData(dataset)
+        return make_model(model, data.ds, seed=SEED), data
+
+    return build
+
+
+def _example(module_name: str) -> Callable[[], tuple[nn.Module, TaskData]]:
+    def build() -> tuple[nn.Module, TaskData]:
+        import importlib
+
+        module = importlib.import_module(f"examples.{module_name}")
+        return module.build_model(SEED), module.Data(SEED)
+
+    return build
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
-    dataset: str
-    model: str
+    build: Callable[[], tuple[nn.Module, TaskData]]
     optimizer: str
     lr: float
     batch_size: int
@@ -58,9 +108,15 @@ class Task:
     metric: str  # what "final" means: val_accuracy (higher better) or val_loss (lower better)
 
 
+LM = _registry("stdlib_chars", "char_transformer")
 TASKS = {
-    "digits": Task("digits", "digits", "digits_cnn", "sgd", 0.05, 32, 0.75, 300, 80, "val_accuracy"),
-    "lm": Task("lm", "stdlib_chars", "char_transformer", "adamw", 3e-3, 16, 0.8, 300, 30, "val_loss"),
+    t.name: t
+    for t in (
+        Task("digits", _registry("digits", "digits_cnn"), "sgd", 0.05, 32, 0.75, 300, 80, "val_accuracy"),
+        Task("lm", LM, "adamw", 3e-3, 16, 0.8, 300, 30, "val_loss"),
+        Task("gpt2", _example("gpt2_tiny"), "adamw", 3e-3, 16, 0.8, 300, 30, "val_loss"),
+        Task("resnet18", _example("resnet18_cifar"), "sgd", 0.05, 32, 0.75, 200, 20, "val_accuracy"),
+    )
 }
 
 # (label, method, config): the baselines of TAIL.md at their usual settings, and Tail's defaults.
@@ -121,8 +177,7 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
 
 
 def _train_one(rank: int, task: Task, label: str, method: str, config: Any, steps: int) -> RunResult | None:
-    ds = make_dataset(task.dataset, seed=SEED)
-    model = make_model(task.model, ds, seed=SEED)
+    model, data = task.build()
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
     if method_spec(method).exchanges_payloads:
@@ -147,9 +202,9 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         for group in opt.param_groups:
             group["lr"] = lr
         state.set_lr(lr)
-        x, y = ds.batch(seed=SEED, step=step, rank=rank, world_size=WORLD_SIZE, batch_size=task.batch_size)
+        batch = data.batch(step, rank, WORLD_SIZE, task.batch_size)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ds, ddp(x), y)
+        loss = data.loss(ddp, *(batch if isinstance(batch, tuple) else (batch,)))
         loss.backward()
         opt.step()
         step_s.append(time.perf_counter() - start)
@@ -178,7 +233,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         label=label,
         method=method,
         steps=steps,
-        final=evaluate(ddp.module, ds),
+        final=data.evaluate(ddp.module),
         final_train_loss=loss_value,
         bytes_sent_per_step=sum(sent) / steps,
         bytes_sent_per_step_2nd_half=statistics.mean(sent[steps // 2 :]),

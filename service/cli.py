@@ -5,6 +5,8 @@ service's REST API (service/client.py).
                                  SIGTERM or SIGHUP stops both
     tail-ray demo                up, then a digits job with "tail" and one with "none", side by side
     tail-ray submit job.yaml     submit a job spec (the fields of POST /v1/jobs, as YAML)
+    tail-ray submit --working-dir DIR -- python my_train.py ARGS
+                                 upload DIR, run your own script in it
     tail-ray jobs                list jobs
     tail-ray metrics JOB_ID      per-layer table and totals
     tail-ray stop JOB_ID | logs JOB_ID
@@ -32,8 +34,9 @@ import yaml
 from service.client import Api, CliError, home_dir, state_file
 from service.job_yaml import load_job_yaml
 from service.stack import Stack, StackOptions, StopRequested, running, warm_kernels
+from service.status import JobStatus
+from service.upload import entrypoint_from_command, zip_directory
 
-TERMINAL = {"STOPPED", "SUCCEEDED", "FAILED"}
 DEFAULT_MAX_WORLD = 8  # tail_ray.warmup's default, named here without importing torch
 EXIT_USAGE, EXIT_API = 2, 1
 __all__ = ["EXIT_API", "EXIT_USAGE", "CliError", "build_parser", "main"]
@@ -68,22 +71,46 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 # ----------------------------------------------------------------------------- API commands
 def cmd_submit(args: argparse.Namespace) -> int:
-    try:
-        spec = load_job_yaml(Path(args.file).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise CliError(f"cannot read {args.file}: {exc}") from None
-    if not isinstance(spec, dict):
-        raise CliError(f"{args.file} must hold a YAML mapping of job fields (see `GET /docs`)")
-    job = _api(args).post("/v1/jobs", spec)
-    print(f"submitted {job['id']} ({job['name']}, {job['status']})")
+    api = _api(args)
+    if args.command_line:
+        spec = _custom_spec(api, args)
+    elif args.file:
+        try:
+            spec = load_job_yaml(Path(args.file).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise CliError(f"cannot read {args.file}: {exc}") from None
+        if not isinstance(spec, dict):
+            raise CliError(f"{args.file} must hold a YAML mapping of job fields (see `GET /docs`)")
+    else:
+        raise CliError("give a job spec file, or your own command: --working-dir DIR -- python my_train.py")
+    job = api.post("/v1/jobs", spec)
+    print(f"submitted {job['id']} ({job['name']}, {job['status']}); watch it at {api.url}/#job={job['id']}")
     return 0
+
+
+def _custom_spec(api: Api, args: argparse.Namespace) -> dict[str, Any]:
+    """Upload --working-dir (if given) and describe the command after `--` as a job spec."""
+    if args.file:
+        raise CliError("give either a job spec file or a command after --, not both")
+    working_dir = Path(args.working_dir).expanduser() if args.working_dir else None
+    spec: dict[str, Any] = {"entrypoint": entrypoint_from_command(args.command_line, working_dir)}
+    if working_dir is not None:
+        data, files = zip_directory(working_dir)
+        package = api.post_zip("/v1/packages", data)
+        print(f"working dir {working_dir}: {files} files, {len(data)} bytes -> package {package['id'][:12]}")
+        spec["working_dir"] = package["id"]
+    if args.pip:
+        spec["pip"] = list(args.pip)
+    if args.name:
+        spec["name"] = args.name
+    return spec
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     page = _api(args).get("/v1/jobs", limit=args.limit)
     rows = []
     for j in page["items"]:
-        method = j["spec"]["method"] if j["spec"] else "(by hand)"
+        method = j["spec"].get("method", "(own code)") if j["spec"] else "(by hand)"
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"]))
         rows.append([j["id"], j["name"], method, j["status"], created])
     print(_table(["JOB", "NAME", "METHOD", "STATUS", "CREATED"], rows))
@@ -202,7 +229,7 @@ def _follow(api: Api, job_id: str, label: str, steps: int, tick: Callable[[], No
         done = 0 if last is None else min(steps, last + 1)
         bar = "#" * (width * done // steps) + "-" * (width - width * done // steps)
         print(f"\r{label:>5} [{bar}] {done:>4}/{steps} {job['status']:<10}", end="", flush=True)
-        if job["status"] in TERMINAL:
+        if JobStatus.from_ray(job["status"]).is_terminal:
             print()
             return dict(job)
         time.sleep(1.0)
@@ -325,9 +352,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="workers per job (default: %(default)s)")
     demo.set_defaults(func=cmd_demo)
 
-    submit = sub.add_parser("submit", help="submit a job spec from a YAML file (the fields of POST /v1/jobs)")
-    submit.add_argument("file", help="e.g. a file with `method: tail` and `steps: 100`")
-    submit.set_defaults(func=cmd_submit)
+    submit = sub.add_parser(
+        "submit",
+        help="submit a job spec (YAML file), or your own script: --working-dir DIR -- python x.py ...",
+        description="Submit a job: `tail-ray submit job.yaml` (the fields of POST /v1/jobs as YAML), or your "
+        "own code: `tail-ray submit --working-dir DIR -- python my_train.py ARGS` uploads DIR (zipped; "
+        "caches, .git and virtual envs left out) and runs the command in it on the cluster. Its model "
+        "should go through tail_ray.train.prepare_model, so the service shows its metrics.",
+    )
+    submit.add_argument("file", nargs="?", help="e.g. a file with `method: tail` and `steps: 100`")
+    submit.add_argument("--working-dir", help="directory to upload and run the command in")
+    submit.add_argument("--pip", action="append", default=[], metavar="REQ", help="requirement (repeatable)")
+    submit.add_argument("--name", help="job name (default: the script's name)")
+    submit.set_defaults(func=cmd_submit, command_line=[])
     jobs = sub.add_parser("jobs", help="list jobs, newest first")
     jobs.add_argument("--limit", type=int, default=50)
     jobs.set_defaults(func=cmd_jobs)
@@ -358,7 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `submit ... -- python my_train.py --steps 3`: everything after `--` is the job's command.
+    command_line: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command_line = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if command_line:
+        if args.command != "submit":
+            print(f"tail-ray: `--` and a command go with `submit`, not `{args.command}`", file=sys.stderr)
+            return EXIT_USAGE
+        args.command_line = command_line
     if getattr(args, "port", None) == 0:
         args.port = None
     try:

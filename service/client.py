@@ -67,9 +67,12 @@ class Api:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def request(
+        self, method: str, path: str, extra_headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> Any:
+        headers = {**self._headers(), **(extra_headers or {})}
         try:
-            resp = httpx.request(method, self.url + path, headers=self._headers(), timeout=30.0, **kwargs)
+            resp = httpx.request(method, self.url + path, headers=headers, timeout=120.0, **kwargs)
         except httpx.HTTPError as exc:
             raise CliError(
                 f"cannot reach the service at {self.url} ({exc}); is `tail-ray up` running?"
@@ -92,6 +95,9 @@ class Api:
 
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, json=body)
+
+    def post_zip(self, path: str, data: bytes) -> Any:
+        return self.request("POST", path, content=data, extra_headers={"Content-Type": "application/zip"})
 
     def ready(self, timeout_s: float = 10.0) -> bool:
         """True when /readyz answers 200 (the database takes writes and Ray answers)."""

@@ -16,6 +16,7 @@ from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.exposure import arrived_beyond_loopback
 from service.ingester import Ingester
 from service.live import LiveMetrics
+from service.packages import PackageStore
 from service.ray_client import RayGateway
 from service.read_cache import ReadCache
 from service.settings import Settings
@@ -47,6 +48,11 @@ def get_ray(request: Request) -> RayGateway:
     return gateway
 
 
+def get_packages(request: Request) -> PackageStore:
+    store: PackageStore = request.app.state.packages
+    return store
+
+
 def get_ingester(request: Request) -> Ingester:
     ingester: Ingester = request.app.state.ingester
     return ingester
@@ -58,6 +64,7 @@ RayDep = Annotated[RayGateway, Depends(get_ray)]
 IngesterDep = Annotated[Ingester, Depends(get_ingester)]
 ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
 LiveDep = Annotated[LiveMetrics, Depends(get_live)]
+PackagesDep = Annotated[PackageStore, Depends(get_packages)]
 
 _bearer = HTTPBearer(auto_error=False, description="The service's API token (TAIL_RAY_API_TOKEN).")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

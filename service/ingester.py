@@ -3,7 +3,8 @@
 Two duties, one loop (``run_forever``), each step a plain blocking method the tests can call:
 
 - ``sync_jobs``: list Ray's jobs; add the ones submitted by hand (`ray job submit -- python
-  -m jobs.train ...`), copy status changes of the ones we know, and reconcile the rest: a job
+  -m jobs.train ...`, or any script whose model went through ``tail_ray.train.prepare_model``:
+  its job has a metrics sink), copy status changes of the ones we know, and reconcile the rest: a job
   we hold as not ended that Ray has not known for ``lost_after_s`` is marked FAILED, with a
   message saying it was lost and when (its cluster was restarted or replaced). A job we asked
   to stop reads STOPPING until Ray says it ended. Runs on start and every ``sync_interval_s``.
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 from service.errors import JobNotFound, RayUnavailable
 from service.ray_client import RayGateway, RayJob, name_from_entrypoint
 from service.settings import Settings
-from service.storage import STOPPING, TERMINAL, IngestBatch, JobRow, Storage
+from service.status import JobStatus
+from service.storage import IngestBatch, JobRow, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class Ingester:
     def sync_jobs(self) -> int:
         """Copy Ray's view of train jobs into storage; returns how many jobs were new."""
         added = 0
-        ray_jobs = self.ray.list_train_jobs()
+        ray_jobs = self.ray.list_tail_jobs()
         for job in ray_jobs:
             row = self.storage.get_job(job.submission_id)
             if row is None:
@@ -89,7 +91,7 @@ class Ingester:
                 self.storage.update_job_status(
                     job.submission_id, job.status, None, job.start_time_s, job.end_time_s
                 )
-            elif row.status == STOPPING and job.status not in TERMINAL:
+            elif row.status == JobStatus.STOPPING and not job.status.is_terminal:
                 continue  # asked to stop; Ray has not finished stopping it yet
             elif (row.status, row.message, row.ended_at) != (job.status, job.message, job.end_time_s):
                 self.storage.update_job_status(
@@ -132,7 +134,7 @@ class Ingester:
             "The Ray cluster it ran on was restarted or replaced; the metrics stored until then "
             "are kept, and whatever its metrics sink still holds is read."
         )
-        self.storage.update_job_status(job_id, "FAILED", message, None, time.time())
+        self.storage.update_job_status(job_id, JobStatus.FAILED, message, None, time.time())
         logger.warning("job %s: %s", job_id, message)
 
     def _copy_status(self, job: RayJob) -> None:

@@ -46,23 +46,34 @@ def with_connection_close(message: Message) -> Message:
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, read_timeout_s: float = 30.0) -> None:
+    """``max_body_bytes`` for every route but those in ``path_limits`` (exact paths: the
+    package upload takes a zip of megabytes)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        read_timeout_s: float = 30.0,
+        path_limits: dict[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             try:
-                too_big = int(declared) > self.max_body_bytes
+                too_big = int(declared) > limit
             except ValueError:
                 too_big = False  # the server rejects a malformed Content-Length itself
             if too_big:
-                await self._reject(send)
+                await self._reject(send, detail=f"request body over {limit} bytes")
                 return
         seen = 0
         started = False
@@ -78,8 +89,8 @@ class BodySizeLimit:
                 raise BodyReadTimeout(self.read_timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
+                if seen > limit:
+                    raise BodyTooLarge(limit)
                 body_done = not message.get("more_body", False)
             else:
                 body_done = True
@@ -99,7 +110,7 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, detail=f"request body over {limit} bytes")
         except BodyReadTimeout as exc:
             if not started:
                 await self._reject(send, 408, "body_timeout", str(exc.detail))

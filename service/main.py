@@ -18,9 +18,10 @@ from service.exposure import HostAllowList
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
 from service.live import LiveMetrics
+from service.packages import Limits, PackageStore
 from service.ray_client import RayGateway
 from service.read_cache import ReadCache
-from service.routers import health, jobs, metrics
+from service.routers import health, jobs, metrics, packages
 from service.settings import Settings
 from service.storage import open_storage
 
@@ -43,6 +44,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Opening migrates: blocking work, so off the event loop.
         app.state.storage = storage = await asyncio.to_thread(open_storage, settings.storage_url)
         logger.info("storage: %s", storage.describe())
+        app.state.packages = PackageStore(
+            settings.package_root(),
+            Limits(
+                settings.package_max_bytes, settings.package_max_unpacked_bytes, settings.package_max_files
+            ),
+        )
         app.state.read_cache = ReadCache()  # results keyed by each job's ingest state
         app.state.ray = RayGateway(settings)
         app.state.ingester = Ingester(settings, storage, app.state.ray)
@@ -68,10 +75,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(
-        BodySizeLimit, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s
+        BodySizeLimit,
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+        path_limits={packages.UPLOAD_PATH: settings.package_max_bytes},
     )
     app.add_middleware(HostAllowList, allowed_hosts=settings.allowed_hosts)  # outermost: checked first
     app.include_router(jobs.router)
+    app.include_router(packages.router)
     app.include_router(metrics.router)
     app.include_router(metrics.prometheus_router)
     app.include_router(health.router)

@@ -1,5 +1,10 @@
 """The service's only door to Ray: the Jobs API (submit, list, stop, logs) and the sink reads.
 
+Which Ray jobs are the service's business (``list_tail_jobs``): the ones it submitted (their
+metadata says so), any `python -m jobs.train`, and any job with a metrics sink, i.e. a job
+whose code called ``tail_ray.train.prepare_model`` (the sink actor is named after the job's
+submission id), however it was submitted.
+
 - Jobs go through ``JobSubmissionClient`` against the job server, with the cluster's token
   in the ``Authorization`` header. The token never appears in what we return or log:
   ``redact`` scrubs it from every error message that leaves this module.
@@ -24,6 +29,7 @@ from ray.job_submission import JobSubmissionClient
 from service.errors import JobConflict, JobNotFound, RayUnavailable
 from service.schemas import TRAIN_MODULE
 from service.settings import Settings
+from service.status import JobStatus
 from tail_ray.metrics import sink as sink_mod
 
 logger = logging.getLogger(__name__)
@@ -36,7 +42,7 @@ class RayJob:
     """What the service keeps of a Ray job."""
 
     submission_id: str
-    status: str
+    status: JobStatus
     message: str
     entrypoint: str
     start_time_s: float | None
@@ -53,7 +59,8 @@ def is_train_entrypoint(entrypoint: str) -> bool:
 
 
 def name_from_entrypoint(entrypoint: str, default: str) -> str:
-    """The job name a hand-written entrypoint sets with `--set name=...`, if any."""
+    """A job name for a hand-written entrypoint: its `--set name=...`, else the script's stem
+    (`python my_train.py` -> my_train) or the module's last part (`-m pkg.train` -> train)."""
     try:
         args = shlex.split(entrypoint)
     except ValueError:
@@ -61,6 +68,12 @@ def name_from_entrypoint(entrypoint: str, default: str) -> str:
     for flag, value in itertools.pairwise(args):
         if flag == "--set" and value.startswith("name="):
             return value.removeprefix("name=").strip("\"'")[:64] or default
+    for flag, value in itertools.pairwise(args):
+        if flag == "-m":
+            return value.rsplit(".", 1)[-1][:64] or default
+    for arg in args[1:]:
+        if arg.endswith(".py"):
+            return arg.rsplit("/", 1)[-1].removesuffix(".py")[:64] or default
     return default
 
 
@@ -122,10 +135,14 @@ class RayGateway:
         self._drop_driver()
 
     # ------------------------------------------------------------ jobs API
-    def submit(self, submission_id: str, entrypoint: str) -> None:
-        runtime_env: dict[str, Any] = {"env_vars": {"RAY_AUTH_MODE": "token"}}
-        if self.settings.job_working_dir is not None:
-            runtime_env["working_dir"] = str(self.settings.job_working_dir)
+    def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any] | None = None) -> None:
+        """Hand a job to Ray. ``runtime_env`` (a user's own code: its working_dir, pip, py_modules)
+        replaces the default one, the service's working_dir; the env var is always set."""
+        if runtime_env is None:
+            runtime_env = {}
+            if self.settings.job_working_dir is not None:
+                runtime_env["working_dir"] = str(self.settings.job_working_dir)
+        runtime_env = {**runtime_env, "env_vars": {"RAY_AUTH_MODE": "token"}}
         try:
             self._jobs().submit_job(
                 entrypoint=entrypoint,
@@ -140,8 +157,8 @@ class RayGateway:
             self._drop_client()
             raise self._unavailable("Ray refused the job submission", exc) from None
 
-    def list_train_jobs(self) -> list[RayJob]:
-        """Every job on the cluster whose entrypoint is `python -m jobs.train`."""
+    def list_tail_jobs(self) -> list[RayJob]:
+        """Every job on the cluster that is ours to show (see the module doc)."""
         try:
             details = self._jobs().list_jobs()
         except RayUnavailable:
@@ -150,9 +167,17 @@ class RayGateway:
         except Exception as exc:
             self._cluster_gone()
             raise self._unavailable("cannot list Ray jobs", exc) from None
+        try:
+            with_sinks = self.sink_job_ids()
+        except RayUnavailable:  # the job server answers but the GCS does not (yet): list what we can
+            with_sinks = set()
         out = []
         for d in details:
-            if d.submission_id and is_train_entrypoint(d.entrypoint or ""):
+            if d.submission_id and (
+                JOB_METADATA_KEY in (d.metadata or {})
+                or is_train_entrypoint(d.entrypoint or "")
+                or d.submission_id in with_sinks
+            ):
                 out.append(_ray_job(d))
         return out
 
@@ -257,6 +282,14 @@ class RayGateway:
         except Exception as exc:
             raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
 
+    def sink_job_ids(self) -> set[str]:
+        """The job ids that have a metrics sink on the cluster now (one GCS call)."""
+        self.connect()
+        try:
+            return sink_mod.sink_job_ids()
+        except Exception as exc:
+            raise self._unavailable("cannot list the metrics sinks", exc) from None
+
     def close_sink(self, job_id: str) -> None:
         self._sinks.pop(job_id, None)
         self.connect()
@@ -277,10 +310,9 @@ def _gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def _ray_job(d: Any) -> RayJob:
-    status = getattr(d.status, "value", str(d.status))
     return RayJob(
         submission_id=str(d.submission_id),
-        status=str(status),
+        status=JobStatus.from_ray(d.status),
         message=str(d.message or ""),
         entrypoint=str(d.entrypoint or ""),
         start_time_s=d.start_time / 1000.0 if d.start_time else None,

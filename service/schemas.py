@@ -1,9 +1,17 @@
 """Pydantic models at the service boundary: job specs in, jobs and metrics out.
 
-``JobCreate`` is a closed, bounded description of a training job: every field is a plain
-value with limits, unknown fields are rejected, and model / dataset / method come from the
-registries, so nothing a client sends can become code, a command line or a runtime_env.
-It maps onto ``tail_ray.runner.config.JobConfig`` through ``--set key=value`` overrides.
+``JobCreate`` describes a job one of two ways, every field a plain bounded value and unknown
+fields rejected:
+
+- the built-in trainer (no ``entrypoint``): model / dataset / method from the registries and
+  training settings; it maps onto ``tail_ray.jobspec.JobConfig`` through ``--set key=value``
+  overrides, validated here against the same spec module the runner reads (no Ray Train, no
+  torch in this process; compression settings, when given, are checked by building the
+  method's hook state, which loads torch);
+- the user's own code: ``entrypoint`` (a script or module of the ``working_dir`` package, and
+  its args), ``working_dir`` (a package id from POST /v1/packages) and ``pip`` requirements
+  for Ray's runtime_env. Only a token holder submits, and a setting turns it off: such a job
+  runs arbitrary code on the cluster (docs/service.md, the trust model).
 """
 
 from __future__ import annotations
@@ -17,11 +25,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from service.status import JobStatus
+from tail_ray.jobspec import DATASET_NAMES, MODEL_NAMES, OPTIMIZERS, JobConfig
 from tail_ray.methods import METHODS
-from tail_ray.runner.config import OPTIMIZERS, JobConfig
-from tail_ray.runner.datasets import dataset_names
-from tail_ray.runner.models import model_names
-from tail_ray.runner.trainer import validate_job
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +41,8 @@ BASE_CONFIG_PATH = REPO_ROOT / BASE_CONFIG
 _RAW_STRING_FIELDS = frozenset({"name", "model", "dataset", "method", "optimizer"})
 
 # Enums built from the registries so OpenAPI lists the allowed values.
-ModelName = enum.Enum("ModelName", {n: n for n in model_names()}, type=str)  # type: ignore[misc]
-DatasetName = enum.Enum("DatasetName", {n: n for n in dataset_names()}, type=str)  # type: ignore[misc]
+ModelName = enum.Enum("ModelName", {n: n for n in MODEL_NAMES}, type=str)  # type: ignore[misc]
+DatasetName = enum.Enum("DatasetName", {n: n for n in DATASET_NAMES}, type=str)  # type: ignore[misc]
 Method = enum.Enum("Method", {n: n for n in METHODS}, type=str)  # type: ignore[misc]
 Optimizer = enum.Enum("Optimizer", {n: n for n in OPTIMIZERS}, type=str)  # type: ignore[misc]
 
@@ -46,8 +52,60 @@ SettingText = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{0,64}$"
 SettingValue = bool | int | float | SettingText
 MAX_SETTING_INT = 2**53
 
-TERMINAL_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
-JobStatus = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
+# The user's own code. A script is a relative path inside the package whose every part starts
+# with a letter, digit or underscore (so never "..", never hidden, never absolute).
+ScriptPath = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/){0,15}[A-Za-z0-9_][A-Za-z0-9_.-]*\.py$", max_length=255
+    ),
+]
+ModuleName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*){0,15}$", max_length=200),
+]
+Arg = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$", max_length=1024)]
+PackageId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# A name with optional extras and version clauses: no URL, no path, no pip option, no marker.
+_VERSION_CLAUSE = r"(?:===|==|~=|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+Requirement = Annotated[
+    str,
+    StringConstraints(
+        pattern=rf"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?(?:\[[A-Za-z0-9._,-]+\])?"
+        rf"(?:\s*{_VERSION_CLAUSE}(?:\s*,\s*{_VERSION_CLAUSE})*)?$",
+        max_length=200,
+    ),
+]
+# What only the built-in trainer reads; a job with an entrypoint of its own sets none of them.
+CUSTOM_FIELDS = frozenset({"entrypoint", "working_dir", "pip"})
+
+
+class EntrypointSpec(BaseModel):
+    """The user's own entrypoint: ``script`` (a path in the package) or ``module`` (run with
+    ``-m``), and ``args``. It runs as ``<job_python> <script> <args...>``, each part quoted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    script: ScriptPath | None = Field(None, description="e.g. my_train.py or train/main.py")
+    module: ModuleName | None = Field(None, description="e.g. mypkg.train (run with python -m)")
+    args: list[Arg] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> EntrypointSpec:
+        if (self.script is None) == (self.module is None):
+            raise ValueError("entrypoint takes exactly one of script and module")
+        return self
+
+    def command(self, python: str) -> str:
+        head = [python, self.script] if self.script is not None else [python, "-m", str(self.module)]
+        return shlex.join([*head, *self.args])
+
+    @property
+    def stem(self) -> str:
+        if self.script is not None:
+            return self.script.rsplit("/", 1)[-1].removesuffix(".py")
+        return str(self.module).rsplit(".", 1)[-1]
+
 
 
 class JobCreate(BaseModel):
@@ -91,6 +149,18 @@ class JobCreate(BaseModel):
     checkpoint_every_steps: int = Field(50, ge=1, le=1_000_000, strict=True)
     metrics_every_steps: int = Field(1, ge=1, le=10_000, strict=True)
     max_failures: int = Field(3, ge=-1, le=100, description="-1: retry forever.", strict=True)
+    entrypoint: EntrypointSpec | None = Field(
+        None,
+        description="Your own code instead of the built-in trainer: a script or module of working_dir "
+        "and its args. Its model goes through tail_ray.train.prepare_model; the built-in trainer's "
+        "fields do not apply.",
+    )
+    working_dir: PackageId | None = Field(
+        None, description="Package id from POST /v1/packages (default: the service's own working dir)."
+    )
+    pip: list[Requirement] = Field(
+        default_factory=list, max_length=32, description="Requirements Ray installs (runtime_env.pip)."
+    )
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -115,11 +185,36 @@ class JobCreate(BaseModel):
             raise ValueError(f"min_workers ({self.min_workers}) must be <= max_workers ({self.max_workers})")
         return self
 
+    @model_validator(mode="after")
+    def _one_kind_of_job(self) -> JobCreate:
+        if self.entrypoint is None:
+            stray = sorted((CUSTOM_FIELDS - {"entrypoint"}) & self.model_fields_set)
+            if stray:
+                raise ValueError(f"{' and '.join(stray)} go with an entrypoint of your own; add entrypoint")
+            return self
+        builtin = sorted(self.model_fields_set - CUSTOM_FIELDS - {"name"})
+        if builtin:
+            raise ValueError(
+                f"{', '.join(builtin)}: fields of the built-in trainer; a job with an entrypoint of its "
+                "own takes its settings as entrypoint.args"
+            )
+        return self
+
+    @property
+    def is_custom(self) -> bool:
+        return self.entrypoint is not None
+
+    def stored_spec(self) -> dict[str, Any]:
+        """What the job table keeps: the fields that apply to this kind of job."""
+        if self.entrypoint is not None:
+            return self.model_dump(mode="json", include={"name", *CUSTOM_FIELDS})
+        return self.model_dump(mode="json", exclude=set(CUSTOM_FIELDS))
+
     def overrides(self) -> list[str]:
         """``key=value`` strings for ``--set``; values are YAML/JSON literals so a name such
         as ``123`` or ``yes`` stays a string."""
         out = []
-        for key, value in self.model_dump(exclude={"compression"}).items():
+        for key, value in self.model_dump(exclude={"compression", *CUSTOM_FIELDS}).items():
             out.append(f"{key}={value}" if key in _RAW_STRING_FIELDS else f"{key}={_literal(value)}")
         for key, value in sorted(self.compression.items()):
             out.append(f"compression.{key}={_literal(value)}")
@@ -127,14 +222,18 @@ class JobCreate(BaseModel):
 
     def to_job_config(self, validate: bool = True) -> JobConfig:
         """What the runner will see. Raises ``ConfigError`` where the runner disagrees: its
-        config checks and, with ``validate``, its driver-side checks (compression settings the
-        method rejects), so a bad spec is a 422 here rather than a failed job later."""
+        config checks and, with ``validate``, the compression settings the method rejects, so a
+        bad spec is a 422 here rather than a failed job later."""
         cfg = JobConfig.from_yaml(BASE_CONFIG_PATH).with_overrides(self.overrides())
-        if validate:
-            validate_job(cfg)
+        if validate and cfg.compression:
+            # The method's settings classes live beside its torch code: only a spec that sets
+            # some pays for loading it (once per process).
+            from tail_ray.train.session import check_method_settings
+
+            check_method_settings(cfg.method, cfg.compression)
         return cfg
 
-    def entrypoint(self, python: str = "python") -> str:
+    def train_command(self, python: str = "python") -> str:
         args = [python, "-m", TRAIN_MODULE, "--config", BASE_CONFIG]
         for item in self.overrides():
             args += ["--set", item]
@@ -150,6 +249,14 @@ def _literal(value: Any) -> str:
             text = f"{mantissa}.0e{exponent}"
         return text
     return json.dumps(value)
+
+
+class PackagePublic(BaseModel):
+    id: str = Field(description="SHA-256 of the package's files: name it as a job's working_dir.")
+    files: int
+    unpacked_bytes: int
+    zip_bytes: int = Field(description="Size of the zip that first brought this package.")
+    created_at: float = Field(description="Unix time, seconds.")
 
 
 class JobPublic(BaseModel):

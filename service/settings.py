@@ -88,6 +88,22 @@ class Settings(BaseSettings):
         "tail_ray/); None when the cluster's image already has the package installed.",
     )
 
+    # --- users' own code (docs/service.md, "Your own code: the trust model") ---
+    custom_jobs_enabled: bool = Field(
+        True,
+        description="Take jobs that run the user's own entrypoint and packages uploaded for them. A "
+        "token holder can then run any code on the cluster, as with Ray's own job server; false "
+        "turns both routes into 403 and leaves the built-in trainer's jobs only.",
+    )
+    packages_dir: Path | None = Field(
+        None, description="Where uploaded working_dir packages are kept (default: packages/ beside db_path)."
+    )
+    package_max_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3, description="Largest zip taken.")
+    package_max_unpacked_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, le=4 * 1024**3, description="Largest package once unpacked."
+    )
+    package_max_files: int = Field(10_000, ge=1, le=1_000_000, description="Most entries in one zip.")
+
     # --- background work ---
     ingest_enabled: bool = True
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
@@ -148,7 +164,12 @@ class Settings(BaseSettings):
         parse_storage_url(value)  # ValueError naming the accepted schemes
         return value
 
-    @field_validator("db_path", "ray_auth_token_path", "job_working_dir")
+    @field_validator("packages_dir", mode="before")
+    @classmethod
+    def _empty_dir_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("db_path", "ray_auth_token_path", "job_working_dir", "packages_dir")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
@@ -161,6 +182,9 @@ class Settings(BaseSettings):
     @property
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(self.retention_full_steps, self.retention_every_k_steps)
+
+    def package_root(self) -> Path:
+        return self.packages_dir if self.packages_dir is not None else self.db_path.parent / "packages"
 
     def ray_token(self) -> str | None:
         """The Ray cluster's token: from settings, else from Ray's token file, else None."""

@@ -8,11 +8,22 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, status
 
-from service.deps import IngesterDep, JobDep, RayDep, SettingsDep, StorageDep, guard_reads, require_token
+from service.deps import (
+    IngesterDep,
+    JobDep,
+    PackagesDep,
+    RayDep,
+    SettingsDep,
+    StorageDep,
+    guard_reads,
+    require_token,
+)
 from service.errors import JobConflict, JobNotFound, RayUnavailable
 from service.routing import AuthFirstRoute
 from service.schemas import JobCreate, JobLogs, JobPublic, JobsPage
-from service.storage import STOPPING, TERMINAL, JobRow
+from service.status import JobStatus
+from service.storage import JobRow
+from service.submission import plan_submission
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=AuthFirstRoute)
 
@@ -22,7 +33,7 @@ def to_public(job: JobRow) -> JobPublic:
         id=job.id,
         name=job.name,
         source=job.source,  # type: ignore[arg-type]
-        status=job.status,  # type: ignore[arg-type]
+        status=JobStatus.from_ray(job.status),
         message=job.message,
         entrypoint=job.entrypoint,
         spec=job.spec,
@@ -44,25 +55,31 @@ def _reload(storage: StorageDep, job_id: str) -> JobRow:
     operation_id="create_job",
     status_code=status.HTTP_201_CREATED,
     dependencies=[Depends(require_token)],
-    responses={503: {"description": "Ray did not take the job"}},
+    responses={
+        403: {"description": "Custom entrypoints are turned off on this service"},
+        503: {"description": "Ray did not take the job"},
+    },
 )
-def create_job(spec: JobCreate, storage: StorageDep, ray: RayDep, settings: SettingsDep) -> JobPublic:
-    """Validate a job spec and hand it to Ray as `python -m jobs.train --set ...`."""
-    spec.to_job_config()  # the runner's own checks; ConfigError -> 422
+def create_job(
+    spec: JobCreate, storage: StorageDep, ray: RayDep, settings: SettingsDep, packages: PackagesDep
+) -> JobPublic:
+    """Validate a job spec and hand it to Ray: the built-in trainer as `python -m jobs.train
+    --set ...`, or your own entrypoint in your uploaded working_dir (needs the token: it runs
+    your code on the cluster)."""
+    plan = plan_submission(spec, settings, packages)  # every check first: nothing half-stored
     job_id = f"tail-{uuid.uuid4().hex[:16]}"
-    entrypoint = spec.entrypoint(settings.job_python)
     storage.insert_job(
         job_id=job_id,
-        name=spec.name,
+        name=plan.name,
         source="api",
-        status="PENDING",
-        entrypoint=entrypoint,
-        spec=spec.model_dump(mode="json"),
+        status=JobStatus.PENDING,
+        entrypoint=plan.entrypoint,
+        spec=plan.spec,
     )
     try:
-        ray.submit(job_id, entrypoint)
+        ray.submit(job_id, plan.entrypoint, plan.runtime_env)
     except RayUnavailable as exc:
-        storage.update_job_status(job_id, "FAILED", f"submission failed: {exc}")
+        storage.update_job_status(job_id, JobStatus.FAILED, f"submission failed: {exc}")
         raise
     return to_public(_reload(storage, job_id))
 
@@ -103,12 +120,12 @@ def stop_job(job: JobDep, storage: StorageDep, ray: RayDep, ingester: IngesterDe
             f"Ray has no job {job.id!r}: it was lost with the cluster it ran on; marked FAILED"
         ) from None
     now = ray.job(job.id)
-    if now.status in TERMINAL:
+    if now.status.is_terminal:
         storage.update_job_status(job.id, now.status, now.message, now.start_time_s, now.end_time_s)
     else:
         asked = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
         message = f"stop requested at {asked}; Ray reported {now.status} and is stopping it"
-        storage.update_job_status(job.id, STOPPING, message, now.start_time_s)
+        storage.update_job_status(job.id, JobStatus.STOPPING, message, now.start_time_s)
     return to_public(_reload(storage, job.id))
 
 

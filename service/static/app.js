@@ -101,7 +101,7 @@ function renderJobs(page) {
     const tr = document.createElement("tr");
     tr.dataset.jobId = job.id;
     if (job.id === state.jobId) tr.classList.add("selected");
-    const method = job.spec ? job.spec.method : "(ray job submit)";
+    const method = job.spec?.method ?? (job.spec ? "(own code)" : "(ray job submit)");
     for (const [text, cls] of [[job.name, ""], [method, ""], [job.status, `status-${job.status}`]]) {
       const td = document.createElement("td");
       td.textContent = text;
@@ -171,7 +171,7 @@ function renderSummary(summary) {
   const job = state.jobs.get(summary.job_id);
   if (job) {
     $("job-title").textContent = `${job.name} · ${job.status}`;
-    const method = job.spec ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
+    const method = job.spec?.method ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
     $("job-meta").textContent = `${job.id} · ${method}`;
   }
   $("last-step").textContent = summary.last_step ?? "–";

@@ -15,10 +15,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from service.status import TERMINAL_STATUSES, JobStatus
 from tail_ray.errors import TailError
 
-TERMINAL = ("STOPPED", "SUCCEEDED", "FAILED")
-STOPPING = "STOPPING"  # ours, not Ray's: a stop was asked for and Ray has not finished it
+TERMINAL = tuple(sorted(s.value for s in TERMINAL_STATUSES))  # for SQL: status IN (...)
+STOPPING = JobStatus.STOPPING
 
 
 class StorageError(TailError):
@@ -40,7 +41,7 @@ class JobRow:
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in TERMINAL
+        return JobStatus.from_ray(self.status).is_terminal
 
 
 @dataclass(frozen=True)

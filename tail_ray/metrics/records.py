@@ -7,7 +7,10 @@ no import of torch or of these classes; ``type`` tells the two kinds apart.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # records stay importable without torch (the service reads them)
+    from tail_ray.compression.stats import LayerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,24 @@ class LayerMetric:
     ratio: float
     rel_error: float
     code: str
+
+    @classmethod
+    def from_stats(cls, stats: LayerStats, *, job_id: str, step: int, rank: int) -> LayerMetric:
+        """The record of what the hook reported for one layer (``LayerStats``) at ``step``."""
+        return cls(
+            job_id=job_id,
+            step=step,
+            rank=rank,
+            layer=stats.layer,
+            numel=stats.numel,
+            bits=stats.bits,
+            density=stats.density,
+            raw_bytes=stats.raw_bytes,
+            encoded_bytes=stats.encoded_bytes,
+            ratio=stats.ratio,
+            rel_error=stats.rel_error,
+            code=stats.code,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "layer", **asdict(self)}

@@ -118,6 +118,17 @@ def find_sink(job_id: str) -> ray.actor.ActorHandle | None:
         return None
 
 
+def sink_job_ids() -> set[str]:
+    """The job ids of every sink on the connected cluster (a sink exists from the first
+    ``get_or_create_sink`` of a job until ``close_sink``)."""
+    prefix = sink_actor_name("")
+    return {
+        str(actor["name"]).removeprefix(prefix)
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor.get("namespace") == SINK_NAMESPACE and str(actor.get("name", "")).startswith(prefix)
+    }
+
+
 def close_sink(job_id: str) -> None:
     """Remove a drained sink."""
     handle = find_sink(job_id)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tail_ray.errors import ConfigError
+from tail_ray.jobspec import DATASET_NAMES
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -116,6 +117,10 @@ _DATASETS: dict[str, Callable[[int], Dataset]] = {
     "stdlib_chars": _stdlib_chars,
     "synthetic": _synthetic,
 }
+
+
+if tuple(sorted(_DATASETS)) != DATASET_NAMES:  # the spec module lists the names torch-free: keep them equal
+    raise ImportError(f"{sorted(_DATASETS)} != tail_ray.jobspec.DATASET_NAMES {DATASET_NAMES}")
 
 
 def dataset_names() -> list[str]:

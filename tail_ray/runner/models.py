@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tail_ray.errors import ConfigError
+from tail_ray.jobspec import MODEL_NAMES
 from tail_ray.runner.datasets import Dataset
 
 
@@ -80,6 +81,10 @@ _MODELS: dict[str, Callable[[Dataset], nn.Module]] = {
     "char_transformer": lambda ds: CharTransformer(vocab=ds.num_classes, seq_len=max(ds.seq_len, 1)),
     "synthetic_mlp": lambda ds: SyntheticMLP(in_dim=ds.train_x.shape[1], num_classes=ds.num_classes),
 }
+
+
+if tuple(sorted(_MODELS)) != MODEL_NAMES:  # the spec module lists the names torch-free: keep them equal
+    raise ImportError(f"{sorted(_MODELS)} != tail_ray.jobspec.MODEL_NAMES {MODEL_NAMES}")
 
 
 def model_names() -> list[str]:

@@ -12,11 +12,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,62 +24,28 @@ from ray.train.torch import TorchTrainer
 
 from tail_ray.metrics.sink import get_or_create_sink
 from tail_ray.runner.config import JobConfig
-from tail_ray.runner.datasets import dataset_names
-from tail_ray.runner.models import model_names
-from tail_ray.runner.train_loop import train_loop_per_worker
+from tail_ray.runner.train_loop import FaultInjection, train_loop_per_worker
+from tail_ray.train.ids import generated_job_id, submission_id_from_env
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORAGE_PATH = Path.home() / "ray_results" / "tail_ray"
-# Ray's job supervisor passes the job's metadata (incl. its submission id) to the entrypoint
-# process in this variable (ray.dashboard.modules.job: JobSupervisor._get_driver_env_vars).
-RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-RAY_JOB_ID_METADATA_KEY = "job_submission_id"
 SINK_CLOSE_TIMEOUT_S = 10.0
-
-
-def submission_id_from_env(environ: dict[str, str] | None = None) -> str | None:
-    """The Ray job's submission id when this process is a Ray Jobs entrypoint, else None."""
-    raw = (environ if environ is not None else os.environ).get(RAY_JOB_CONFIG_ENV_VAR)
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw).get("metadata", {}).get(RAY_JOB_ID_METADATA_KEY)
-    except (ValueError, AttributeError):
-        return None
-    return str(value) if value else None
+__all__ = ["FaultInjection", "resolve_job_id", "run_job", "submission_id_from_env", "validate_job"]
 
 
 def resolve_job_id(cfg: JobConfig, environ: dict[str, str] | None = None) -> str:
     """``cfg.job_id`` if set, else the Ray job's submission id, else a fresh id from the name."""
-    if cfg.job_id:
-        return cfg.job_id
-    generated = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    return submission_id_from_env(environ) or generated
+    return cfg.job_id or submission_id_from_env(environ) or generated_job_id(cfg.name)
 
 
 def validate_job(cfg: JobConfig) -> None:
-    """Fail on the driver, before any worker starts, for names the registries do not know and
-    compression settings the method rejects (inside a worker they would cost every retry)."""
-    from torch import nn
+    """Fail on the driver, before any worker starts, for compression settings the method
+    rejects (inside a worker they would cost every retry). Names and ranges are checked by
+    ``JobConfig`` itself."""
+    from tail_ray.train.session import check_method_settings
 
-    from tail_ray.collective import make_hook_state
-    from tail_ray.errors import ConfigError
-    from tail_ray.runner.comm import compression_settings
-
-    if cfg.model not in model_names():
-        raise ConfigError(f"unknown model {cfg.model!r}; choose one of {model_names()}")
-    if cfg.dataset not in dataset_names():
-        raise ConfigError(f"unknown dataset {cfg.dataset!r}; choose one of {dataset_names()}")
-    settings = compression_settings(cfg.method, cfg.compression, seed=cfg.seed, rank=0)
-    try:
-        make_hook_state(nn.Linear(4, 4), cfg.method, settings)
-    except ConfigError as exc:
-        raise ConfigError(f"compression settings for method={cfg.method!r}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"compression settings {dict(cfg.compression)} for method={cfg.method!r}: {exc}"
-        ) from None
+    check_method_settings(cfg.method, cfg.compression)
 
 
 def scaling_config(cfg: JobConfig) -> ScalingConfig:
@@ -104,17 +67,8 @@ def scaling_config(cfg: JobConfig) -> ScalingConfig:
     )
 
 
-def build_trainer(
-    cfg: JobConfig,
-    job_id: str,
-    *,
-    inject_failure_at_step: int | None = None,
-    inject_step_delay_s: float = 0.0,
-) -> TorchTrainer:
-    """The TorchTrainer for ``cfg``. ``inject_failure_at_step`` (tests of recovery only): the
-    last rank raises before that step on a run not resumed from a checkpoint.
-    ``inject_step_delay_s`` (elasticity tests only): every step sleeps this long, so a short
-    job stays alive while a test adds nodes or kills workers."""
+def build_trainer(cfg: JobConfig, job_id: str, *, faults: FaultInjection | None = None) -> TorchTrainer:
+    """The TorchTrainer for ``cfg``; ``faults`` only in tests of recovery and elasticity."""
     storage = cfg.storage_path or str(DEFAULT_STORAGE_PATH)
     run_config = RunConfig(
         name=job_id,
@@ -129,8 +83,7 @@ def build_trainer(
         train_loop_config={
             "job": cfg.to_dict(),
             "job_id": job_id,
-            "inject_failure_at_step": inject_failure_at_step,
-            "inject_step_delay_s": inject_step_delay_s,
+            "faults": faults,
         },
         scaling_config=scaling_config(cfg),
         run_config=run_config,
@@ -161,8 +114,7 @@ def run_job(
     cfg: JobConfig,
     job_id: str | None = None,
     *,
-    inject_failure_at_step: int | None = None,
-    inject_step_delay_s: float = 0.0,
+    faults: FaultInjection | None = None,
 ) -> JobResult:
     """Run ``cfg`` on the connected Ray cluster (``ray.init`` must have been called)."""
     validate_job(cfg)
@@ -178,12 +130,7 @@ def run_job(
         cfg.max_workers,
     )
     try:
-        result = build_trainer(
-            cfg,
-            job_id,
-            inject_failure_at_step=inject_failure_at_step,
-            inject_step_delay_s=inject_step_delay_s,
-        ).fit()
+        result = build_trainer(cfg, job_id, faults=faults).fit()
         error = None if result.error is None else str(result.error)
     except Exception as exc:  # TrainingFailedError once the retries are spent
         result, error = None, f"{type(exc).__name__}: {exc}"

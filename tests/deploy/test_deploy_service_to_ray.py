@@ -156,7 +156,7 @@ gateway = RayGateway(Settings())  # everything from the environment, as the app 
 out = {}
 try:
     gateway.ping_jobs()
-    out["jobs"] = [j.submission_id for j in gateway.list_train_jobs()]
+    out["jobs"] = [j.submission_id for j in gateway.list_tail_jobs()]
 except RayUnavailable as exc:
     out["error"] = str(exc)
 print(json.dumps(out))

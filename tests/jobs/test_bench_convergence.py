@@ -19,3 +19,21 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     assert tail["tail_bits"] is not None
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
+
+
+def test_bench_convergence_runs_the_example_models_as_tasks(tmp_path):
+    """gpt2 (Hugging Face transformers) and resnet18 come from examples/: users' own models."""
+    out = tmp_path / "bench.json"
+    args = ["--tasks", "gpt2,resnet18", "--methods", "none,tail", "--steps", "3", "--timeout-s", "500"]
+    bench_convergence.main([*args, "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["task"], r["label"]) for r in rows] == [
+        ("gpt2", "none"), ("gpt2", "tail"), ("resnet18", "none"), ("resnet18", "tail"),
+    ]  # fmt: skip
+    by = {(r["task"], r["label"]): r for r in rows}
+    assert by["gpt2", "none"]["final"]["val_loss"] > 0
+    assert 0.0 <= by["resnet18", "none"]["final"]["val_accuracy"] <= 1.0
+    resnet_params = 11_181_642  # torchvision's resnet18(num_classes=10)
+    assert by["resnet18", "none"]["raw_bytes_per_step"] == 4 * resnet_params
+    for task in ("gpt2", "resnet18"):
+        assert 0 < by[task, "tail"]["bytes_sent_per_step"] < by[task, "none"]["bytes_sent_per_step"]

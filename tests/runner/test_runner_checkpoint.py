@@ -15,9 +15,9 @@ from tail_ray.runner.checkpoint import (
     save_checkpoint,
     seed_everything,
 )
-from tail_ray.runner.comm import compression_settings
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import loss_fn, make_model
+from tail_ray.train.session import compression_settings
 
 SEED = 3
 

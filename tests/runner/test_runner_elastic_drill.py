@@ -36,7 +36,7 @@ from tail_ray.runner.checkpoint import TRAIN_STATE_FILE, rank_file
 from tail_ray.runner.config import JobConfig
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import make_model
-from tail_ray.runner.trainer import JobResult, run_job
+from tail_ray.runner.trainer import FaultInjection, JobResult, run_job
 from tests.ray_cluster import connected_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -125,7 +125,7 @@ def drill(cluster, storage):
 
     def run() -> None:
         try:
-            d.result = run_job(cfg, job_id, inject_step_delay_s=STEP_DELAY_S)
+            d.result = run_job(cfg, job_id, faults=FaultInjection(step_delay_s=STEP_DELAY_S))
         except BaseException as exc:  # surfaced by the tests below
             d.error = exc
 

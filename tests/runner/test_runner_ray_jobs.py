@@ -22,7 +22,7 @@ from tail_ray.runner.checkpoint import TRAIN_STATE_FILE, rank_file
 from tail_ray.runner.config import JobConfig
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import make_model
-from tail_ray.runner.trainer import run_job
+from tail_ray.runner.trainer import FaultInjection, run_job
 from tests.ray_cluster import connected_cluster
 
 pytestmark = pytest.mark.ray
@@ -77,7 +77,8 @@ def two_worker_run(cluster, storage):
     t0 = time.monotonic()
     # The last rank dies before step FAIL_AT_STEP; FailureConfig(max_failures=1) restarts the
     # group, which resumes from the step-10 checkpoint and finishes.
-    result = run_job(job_config(storage, max_failures=1), job_id, inject_failure_at_step=FAIL_AT_STEP)
+    faults = FaultInjection(fail_at_step=FAIL_AT_STEP)
+    result = run_job(job_config(storage, max_failures=1), job_id, faults=faults)
     print(f"\n2-worker {METHOD} job, {STEPS} steps: {time.monotonic() - t0:.1f} s; {result.summary}")
     yield result
     close_sink(job_id)

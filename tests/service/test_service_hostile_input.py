@@ -253,7 +253,7 @@ def _operations(client: TestClient) -> list[tuple[str, str, dict[str, Any]]]:
 
 def test_every_mutating_route_checks_the_token_before_reading_the_body(client: TestClient) -> None:
     mutating = [(m, p, op) for m, p, op in _operations(client) if m in MUTATING]
-    assert {op["operationId"] for _, _, op in mutating} == {"create_job", "stop_job"}
+    assert {op["operationId"] for _, _, op in mutating} == {"create_job", "stop_job", "upload_package"}
     malformed = b'{"name": "x", "steps": '  # cut short: not JSON
     for method, template, op in mutating:
         path = template.replace("{job_id}", "no-such-job")
@@ -266,7 +266,9 @@ def test_every_mutating_route_checks_the_token_before_reading_the_body(client: T
         assert client.request(method, path, content=malformed, headers=basic).status_code == 401
         # With the token the same request gets as far as the body (or the job lookup).
         authed = client.request(method, path, content=malformed, headers={**AUTH, **JSON})
-        if "requestBody" in op:
+        if op["operationId"] == "upload_package":  # a zip body: the same bytes are no zip
+            assert authed.status_code == 422 and authed.json()["code"] == "invalid_package"
+        elif "requestBody" in op:
             assert authed.status_code == 422 and authed.json()["detail"][0]["type"] == "json_invalid"
         else:
             assert authed.status_code == 404 and authed.json()["code"] == "job_not_found"

@@ -15,7 +15,7 @@ from tail_ray.errors import ConfigError
 def test_defaults_map_onto_job_config_field_by_field() -> None:
     spec = JobCreate()
     cfg = spec.to_job_config()
-    for key, value in spec.model_dump().items():
+    for key, value in spec.stored_spec().items():  # every field of a built-in-trainer job
         assert getattr(cfg, key) == value, key
 
 
@@ -40,12 +40,12 @@ def test_overrides_round_trip_through_job_config(fields: dict) -> None:
 
 def test_entrypoint_is_the_train_module_with_quoted_overrides_only() -> None:
     spec = JobCreate(name="a.b-c", compression={"mode": "x y"[:1]})
-    args = shlex.split(spec.entrypoint())
+    args = shlex.split(spec.train_command())
     assert args[:5] == ["python", "-m", "jobs.train", "--config", BASE_CONFIG]
     flags = args[5::2]
     assert set(flags) == {"--set"}
-    assert is_train_entrypoint(spec.entrypoint())
-    assert name_from_entrypoint(spec.entrypoint(), "default") == "a.b-c"
+    assert is_train_entrypoint(spec.train_command())
+    assert name_from_entrypoint(spec.train_command(), "default") == "a.b-c"
 
 
 @pytest.mark.parametrize(
@@ -99,3 +99,18 @@ def test_min_workers_above_max_workers_is_rejected_with_both_values() -> None:
 )
 def test_train_entrypoints_are_recognised(entrypoint: str, expected: bool) -> None:
     assert is_train_entrypoint(entrypoint) is expected
+
+
+def test_spec_validation_loads_neither_ray_train_nor_torch() -> None:
+    """The service validates a registry job spec against tail_ray.jobspec in its own process;
+    a fresh interpreter shows what that import and a validation load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from service.schemas import JobCreate; "
+        "JobCreate(steps=10, method='qsgd').to_job_config(); "
+        "print(sorted(m for m in ('torch', 'ray.train', 'numba') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
