@@ -96,7 +96,9 @@ class Settings(BaseSettings):
         "turns both routes into 403 and leaves the built-in trainer's jobs only.",
     )
     packages_dir: Path | None = Field(
-        None, description="Where uploaded working_dir packages are kept (default: packages/ beside db_path)."
+        None,
+        description="Where uploaded working_dir packages are kept (default: packages/ beside the "
+        "SQLite file; on PostgreSQL ~/.tail_ray/packages).",
     )
     package_max_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3, description="Largest zip taken.")
     package_max_unpacked_bytes: int = Field(
@@ -184,7 +186,12 @@ class Settings(BaseSettings):
         return RetentionPolicy(self.retention_full_steps, self.retention_every_k_steps)
 
     def package_root(self) -> Path:
-        return self.packages_dir if self.packages_dir is not None else self.db_path.parent / "packages"
+        """packages_dir, else ``packages/`` beside the SQLite file the service opens (which
+        database_url may name instead of db_path), else, on PostgreSQL, in DEFAULT_HOME."""
+        if self.packages_dir is not None:
+            return self.packages_dir
+        backend, target = parse_storage_url(self.storage_url)
+        return (Path(target).parent if backend == "sqlite" else DEFAULT_HOME) / "packages"
 
     def ray_token(self) -> str | None:
         """The Ray cluster's token: from settings, else from Ray's token file, else None."""
