@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
@@ -59,6 +60,17 @@ def test_cached_reads_follow_every_ingest_and_the_drain(storage_url: str) -> Non
     store.close()
 
 
+def _read_while_the_build_waits(read: Callable[[], object], readers: int, gate: threading.Event) -> None:
+    """``readers`` threads run ``read`` while the build blocks on ``gate``; then it is let go."""
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join(5)
+
+
 def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
     """Single flight: a hundred dashboards reading right after an ingest commit run the query
     once; a failed build fails every reader that waited for it, and the next read retries."""
@@ -70,13 +82,7 @@ def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
         return "value"
 
     results: list[str] = []
-    readers = [threading.Thread(target=lambda: results.append(cache.get("k", 1, build))) for _ in range(20)]
-    for t in readers:
-        t.start()
-    time.sleep(0.2)
-    gate.set()
-    for t in readers:
-        t.join(5)
+    _read_while_the_build_waits(lambda: results.append(cache.get("k", 1, build)), 20, gate)
     assert results == ["value"] * 20 and len(calls) == 1
     assert (cache.misses, cache.hits) == (1, 19)
 
@@ -93,13 +99,7 @@ def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
         except RuntimeError as exc:
             errors.append(exc)
 
-    readers = [threading.Thread(target=read) for _ in range(5)]
-    for t in readers:
-        t.start()
-    time.sleep(0.2)
-    gate.set()
-    for t in readers:
-        t.join(5)
+    _read_while_the_build_waits(read, 5, gate)
     assert len(errors) == 5
     assert cache.get("k", 2, lambda: "recovered") == "recovered"
     with pytest.raises(RuntimeError):
