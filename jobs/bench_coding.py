@@ -1,5 +1,6 @@
 """Micro-benchmark of the level coder: size vs the order-0 bound, and speed vs a plain copy.
 
+    pip install -e ".[bench]"   # constriction, the reference coder, lives in the bench extra
     python -m jobs.bench_coding [--quick]
 
 Synthetic quantized gradients (peaked, roughly symmetric level histograms, as stochastic
@@ -15,9 +16,13 @@ import functools
 import time
 from collections.abc import Callable
 
-import constriction
 import numpy as np
 import torch
+
+try:
+    import constriction
+except ModuleNotFoundError:  # only this benchmark uses it, so only the bench extra installs it
+    raise SystemExit('jobs.bench_coding needs constriction: pip install -e ".[bench]"') from None
 
 from tail_ray.compression.code_table import CODE_NAMES, decode_levels, encode_levels
 from tail_ray.compression.entropy import entropy_bound_bytes

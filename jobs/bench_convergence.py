@@ -1,8 +1,9 @@
-"""Convergence benchmark: every compression method, same seed and steps, 2 workers.
+"""Convergence benchmark: every compression method, same seed and steps, W workers (default 2).
 
     python -m jobs.bench_convergence [--quick] [--json PATH] [--tasks digits,lm] [--methods none,tail]
+                                     [--world-size W] [--collective auto|allgather|sharded|hierarchical]
 
-Two worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
+W worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
 train each (task, method) through the SAME comm hook code the Ray Train jobs use
 (tail_ray.collective.register_tail_hook). Tasks, with the settings of jobs/configs:
 - digits: digits_cnn on scikit-learn's digits, SGD momentum 0.9, lr 0.05 dropped x0.1 at 75%;
@@ -19,14 +20,18 @@ warm-up phases), wall time per step and its compress / communicate / decode part
 the first steps, which include numba's JIT), and for tail the bits, tau and noise estimate it
 ended with. Speeds are reported, never asserted (the machine is shared and noisy).
 
-Traffic: bytes this worker handed to the collectives (all-gather: size word + padded
-payload; all-reduce: the ring model 2*(W-1)/W of the reduced bytes), see docs/collective.md.
+Traffic: bytes this worker sent (all-gather: W-1 chunks of size word + padded payload;
+sharded: its slices and its compressed sums to the other ranks; all-reduce: the ring model
+2*(W-1)/W of the reduced bytes), see docs/collective.md. The payload methods run the
+``--collective`` given (default: each method's own default, "auto": all-gather at W = 2,
+sharded from W = 3 on). Each worker's batch is the task's batch size at every W.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -40,13 +45,14 @@ import torch
 from torch import nn
 
 from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
+from tail_ray.collective.choice import Collective
 from tail_ray.collective.launch import run_local_group
 from tail_ray.compression.tail import TailCompressor
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
 
 SEED = 0
-WORLD_SIZE = 2
+WORLD_SIZE = 2  # default; --world-size
 WARMUP_STEPS_EXCLUDED = 5  # from the time means: the first calls JIT-compile numba kernels
 
 
@@ -150,6 +156,10 @@ class RunResult:
     tail_tau: dict[str, float] | None = None  # layer -> tau at the end
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
     tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
+    tail_stage_two_bits: dict[str, int] | None = None  # the second stage's, as tail_bits (rank 0)
+    tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
+    world_size: int = WORLD_SIZE
+    collective: str = "allreduce"  # the collective a payload method ran
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -176,7 +186,16 @@ def _tail_details(state: Any, bits_elems: Counter) -> dict[str, Any]:
     return out
 
 
-def _train_one(rank: int, task: Task, label: str, method: str, config: Any, steps: int) -> RunResult | None:
+def _train_one(
+    rank: int,
+    world_size: int,
+    task: Task,
+    label: str,
+    method: str,
+    config: Any,
+    steps: int,
+    collective: str | None,
+) -> RunResult | None:
     model, data = task.build()
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
@@ -184,6 +203,8 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         # This benchmark measures what compression does to accuracy and traffic. Its two ranks
         # share one host, where the link-aware switch would (rightly) send plain all-reduce.
         settings.setdefault("link_aware", False)
+        if collective is not None:
+            settings.setdefault("collective", collective)
     state = register_tail_hook(ddp, method, settings or None)
     opt = _optimizer(task, ddp.parameters())
     drop_step = int(task.lr_drop_at * steps)
@@ -194,6 +215,8 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
     comm_s: list[float] = []
     decode_s: list[float] = []
     bits_elems: Counter = Counter()
+    bits_elems_two: Counter = Counter()  # sharded / hierarchical: the second stage's
+    errors: tuple[list[float], list[float]] = ([], [])  # estimated relative error, stage one / two
     bits_history: dict[str, list[int]] = {}
     loss_value = float("nan")
     for step in range(steps):
@@ -202,7 +225,7 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         for group in opt.param_groups:
             group["lr"] = lr
         state.set_lr(lr)
-        batch = data.batch(step, rank, WORLD_SIZE, task.batch_size)
+        batch = data.batch(step, rank, world_size, task.batch_size)
         opt.zero_grad(set_to_none=True)
         loss = data.loss(ddp, *(batch if isinstance(batch, tuple) else (batch,)))
         loss.backward()
@@ -222,12 +245,26 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
             for layer in m.layers:
                 if layer.bits < 32:
                     bits_elems[layer.bits] += layer.numel
+                    errors[0].append(layer.rel_error)
+            for layer in m.stage_two:  # the slices this rank re-compressed as an owner
+                if layer.bits < 32:
+                    bits_elems_two[layer.bits] += layer.numel
+                    errors[1].append(layer.rel_error)
         loss_value = float(loss.detach())
     if rank != 0:
         return None
+    collective_run = state.collective if isinstance(state, PayloadHookState) else None
     extra = _tail_details(state, bits_elems) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
+        if bits_elems_two:
+            total = sum(bits_elems_two.values())
+            extra["tail_stage_two_bits"] = {
+                str(b): round(1000 * n / total) for b, n in sorted(bits_elems_two.items())
+            }
+        # Finite estimates only: the engine's estimate is occasionally -inf (left to the numerics work).
+        finite = [[v for v in e if math.isfinite(v)] for e in errors]
+        extra["tail_rel_error"] = [statistics.mean(e) if e else None for e in finite]
     return RunResult(
         task=task.name,
         label=label,
@@ -243,15 +280,23 @@ def _train_one(rank: int, task: Task, label: str, method: str, config: Any, step
         compress_s_per_step=_steady_mean(compress_s),
         comm_s_per_step=_steady_mean(comm_s),
         decode_s_per_step=_steady_mean(decode_s),
+        world_size=world_size,
+        collective=str(collective_run) if collective_run is not None else "allreduce",
         **extra,
     )
 
 
-def _worker(rank: int, world_size: int, plan: list[tuple[str, str, str, Any, int]], out_path: str) -> None:
-    # Same process pair for every run: spawning and importing costs seconds on a busy machine.
+def _worker(
+    rank: int,
+    world_size: int,
+    plan: list[tuple[str, str, str, Any, int]],
+    out_path: str,
+    collective: str | None,
+) -> None:
+    # Same processes for every run: spawning and importing costs seconds on a busy machine.
     results = []
     for task_name, label, method, config, steps in plan:
-        res = _train_one(rank, TASKS[task_name], label, method, config, steps)
+        res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective)
         if res is not None:
             results.append(asdict(res))
             # Written after every run, so a crash late in the plan keeps what finished.
@@ -265,6 +310,8 @@ def run(
     timeout_s: float,
     tail_variants: list[dict[str, Any]] | None = None,
     steps: int | None = None,
+    world_size: int = WORLD_SIZE,
+    collective: str | None = None,
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
@@ -276,7 +323,7 @@ def run(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_local_group(_worker, WORLD_SIZE, (plan, str(out)), timeout_s=timeout_s)
+        run_local_group(_worker, world_size, (plan, str(out), collective), timeout_s=timeout_s)
         return json.loads(out.read_text())
 
 
@@ -293,7 +340,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
         rows = [r for r in results if r["task"] == task]
         base = next((r for r in rows if r["method"] == "none"), None)
         metric = TASKS[task].metric
-        print(f"\n== {task} ({rows[0]['steps']} steps, {WORLD_SIZE} workers, gloo)")
+        collectives = sorted({r.get("collective", "allreduce") for r in rows} - {"allreduce"})
+        print(
+            f"\n== {task} ({rows[0]['steps']} steps, {rows[0].get('world_size', WORLD_SIZE)} workers, gloo"
+            f"{', payload methods: ' + '/'.join(collectives) if collectives else ''})"
+        )
         print(
             f"{'method':<12} {metric:>12} {'vs none':>9} {'sent/step':>11} {'reduction':>10} {'2nd half':>9} "
             f"{'step ms':>8} {'comp ms':>8} {'comm ms':>8} {'dec ms':>7}"
@@ -328,6 +379,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 print(
                     f"[{r['label']}] bits chosen (permille of quantized elements, 2nd half): {r['tail_bits']}"
                 )
+                if r.get("tail_stage_two_bits"):
+                    print(
+                        f"[{r['label']}] second stage (rank 0's slices), 2nd half: {r['tail_stage_two_bits']}"
+                    )
+                errs = r.get("tail_rel_error") or []
+                if errs:
+                    shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)
+                    print(f"[{r['label']}] mean estimated relative error, 2nd half: {shown}")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:
@@ -348,6 +407,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
+    parser.add_argument(
+        "--world-size", type=int, default=WORLD_SIZE, help="worker processes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--collective",
+        choices=[c.value for c in Collective],
+        help="the payload methods' collective (default: their own default, auto)",
+    )
     parser.add_argument(
         "--tail-variant",
         action="append",
@@ -374,7 +441,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
-    results = run(tasks, methods, args.quick, args.timeout_s, variants, args.steps)
+    if args.world_size < 2:
+        parser.error("--world-size must be >= 2")
+    results = run(
+        tasks, methods, args.quick, args.timeout_s, variants, args.steps, args.world_size, args.collective
+    )
     for i, variant in enumerate(variants):
         print(f"tail*{i + 1}: tail with {variant}")
     print_table(results)

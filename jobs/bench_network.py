@@ -1,13 +1,16 @@
-"""End-to-end step time over a REAL bandwidth-limited link, every method side by side.
+"""End-to-end step time over a REAL bandwidth-limited network, every method side by side.
 
-    python -m jobs.bench_network [--quick] [--links unlimited,1000,100] [--json PATH]
+    python -m jobs.bench_network [--quick] [--world-size W] [--links unlimited,1000,loopback] [--json PATH]
 
-Two training ranks run in two network namespaces joined by a veth pair with a `tc` rate
-limit (jobs/netlab.py), talking gloo across that link through the same DDP comm hook the Ray
-jobs use. For each link speed, model and method (same seed, same steps) it reports the median
-step time, communication / compression time, bytes on the wire per step counted by the
-transport and cross-checked against the interface's own byte counters, and the speedup
-against plain fp32 all-reduce ("none").
+W training ranks (default 2) run in W network namespaces, one rank each (jobs/netlab.py): two
+are joined by a veth pair, more by a bridge in a namespace of its own, with a `tc` rate limit
+on both ends of every veth, so each rank's upload and download are as slow as asked. They
+talk gloo through the same DDP comm hook the Ray jobs use. ``loopback`` instead puts every
+rank in ONE fresh namespace talking over its loopback (no limit; its counters see only the
+benchmark). For each link speed, model and method (same seed, same steps) it reports the
+median step time, communication / compression time, bytes on the wire per rank per step
+counted by the transport and by the interfaces' own byte counters (mean over ranks), and the
+speedup against plain fp32 all-reduce ("none").
 
 Needs root (namespaces). When they cannot be made it says so and exits non-zero: it never
 falls back to a fake link. It removes the namespaces on exit, Ctrl-C or failure.
@@ -41,6 +44,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "tail": {},
     # Tail with the switch off: what the codec costs when it is always on.
     "tail-always": {"link_aware": False},
+    # Tail through one collective each, always compressing: the collectives side by side.
+    "tail-allgather": {"collective": "allgather", "link_aware": False},
+    "tail-sharded": {"collective": "sharded", "link_aware": False},
 }
 MODELS = {"synthetic_mlp": "synthetic", "char_transformer": "stdlib_chars"}
 WORKER_TIMEOUT_S = 600
@@ -48,6 +54,10 @@ WORKER_TIMEOUT_S = 600
 
 def method_name(label: str) -> str:
     return label.split("-")[0]
+
+
+def _label_width() -> int:
+    return max(len(m) for m in METHODS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,14 +72,15 @@ def run_worker(args: argparse.Namespace) -> None:
     from tail_ray.runner.datasets import make_dataset
     from tail_ray.runner.models import loss_fn, make_model
 
-    # Two ranks share this machine's cores: one thread each keeps them from fighting.
+    # The ranks share this machine's cores: one thread each keeps them from fighting.
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    world_size = args.world_size
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{args.master_addr}:{args.master_port}",
         rank=args.rank,
-        world_size=2,
+        world_size=world_size,
         timeout=__import__("datetime").timedelta(seconds=300),
     )
     dataset = make_dataset(args.dataset, seed=0)
@@ -80,7 +91,9 @@ def run_worker(args: argparse.Namespace) -> None:
     rows = []
     total_steps = args.warmup_steps + args.steps
     for step in range(total_steps):
-        x, y = dataset.batch(seed=0, step=step, rank=args.rank, world_size=2, batch_size=args.batch_size)
+        x, y = dataset.batch(
+            seed=0, step=step, rank=args.rank, world_size=world_size, batch_size=args.batch_size
+        )
         dist.barrier()  # every rank starts the step together: step time is the slowest rank's
         t0 = time.perf_counter()
         loss = loss_fn(dataset, model(x), y)
@@ -99,6 +112,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     "bytes_sent": m.bytes_sent,
                     "bytes_received": m.bytes_received,
                     "raw_bytes": m.raw_bytes,
+                    "encoded_bytes": m.encoded_bytes,
                     # The link-aware switch sent this step by plain all-reduce.
                     "plain": bool(m.layers) and all(layer.code == "allreduce" for layer in m.layers),
                     "loss": loss.item(),
@@ -129,6 +143,9 @@ class Result:
     bytes_per_step_interface: float
     raw_bytes_per_step: float
     final_loss: float
+    world_size: int = 2
+    encoded_bytes_per_step: float = 0.0  # one rank's own compressed gradient (mean over ranks)
+    bytes_per_step_interface_max: float = 0.0  # the busiest rank's interface
     plain_step_share: float = 0.0  # timed steps the link-aware switch sent uncompressed
     speedup_vs_none: float = float("nan")
 
@@ -137,14 +154,16 @@ def _free_port() -> int:
     return 29500 + (os.getpid() % 1000)
 
 
-def run_pair(lab: Any, model: str, method: str, args: argparse.Namespace, port: int) -> Result:
+def run_group(lab: Any, model: str, method: str, args: argparse.Namespace, port: int) -> Result:
+    """One (model, method) on ``args.world_size`` ranks, rank r in ``lab.hosts[r]``."""
     from jobs.netlab import NetLabError
 
-    a, b = lab.hosts
+    hosts = lab.hosts
+    world = len(hosts)
     with tempfile.TemporaryDirectory(prefix="tail-netbench-") as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in (0, 1)]
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
         procs = []
-        for rank, host in enumerate((a, b)):
+        for rank, host in enumerate(hosts):
             cmd = [
                 *host.exec_prefix(),
                 sys.executable,
@@ -153,8 +172,10 @@ def run_pair(lab: Any, model: str, method: str, args: argparse.Namespace, port: 
                 "--worker",
                 "--rank",
                 str(rank),
+                "--world-size",
+                str(world),
                 "--master-addr",
-                a.address,
+                hosts[0].address,
                 "--master-port",
                 str(port),
                 "--ifname",
@@ -178,12 +199,14 @@ def run_pair(lab: Any, model: str, method: str, args: argparse.Namespace, port: 
             ]
             env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(cmd, env=env))
-        counters_start = None
+        # Counters per distinct interface (on loopback every rank shares one).
+        ifaces = list(dict.fromkeys(hosts))
+        counters_start: list[tuple[int, int]] | None = None
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         try:
             while any(p.poll() is None for p in procs):
                 if counters_start is None and os.path.exists(outs[0] + ".warm"):
-                    counters_start = a.tx_rx_bytes()
+                    counters_start = [h.tx_rx_bytes() for h in ifaces]
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{model}/{method} did not finish in {WORKER_TIMEOUT_S} s")
                 time.sleep(0.05)
@@ -192,48 +215,63 @@ def run_pair(lab: Any, model: str, method: str, args: argparse.Namespace, port: 
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        counters_end = a.tx_rx_bytes()
+        counters_end = [h.tx_rx_bytes() for h in ifaces]
         if any(p.returncode != 0 for p in procs):
             raise NetLabError(f"{model}/{method}: worker exit codes {[p.returncode for p in procs]}")
-        rows = json.loads(Path(outs[0]).read_text())
+        per_rank = [json.loads(Path(out).read_text()) for out in outs]
     if counters_start is None:
-        counters_start = (0, 0)
+        counters_start = [(0, 0)] * len(ifaces)
+    rows = per_rank[0]
+    steps = len(rows)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    iface = (counters_end[0] - counters_start[0]) / len(rows)
+    # Bytes each interface sent per timed step; on loopback one counter carries all ranks.
+    sent = [(end[0] - start[0]) / steps for start, end in zip(counters_start, counters_end, strict=True)]
+    per_rank_iface = [sum(sent) / world] * world if len(ifaces) == 1 else sent
+    mean_over_ranks = lambda key: statistics.mean(  # noqa: E731
+        statistics.median(r[key] for r in rank_rows) for rank_rows in per_rank
+    )
     return Result(
-        link=lab_label(lab.rate_mbit),
+        link=lab_label(lab),
         model=model,
         method=method,
         step_s_median=med("step_s"),
         comm_s_median=med("comm_s"),
         compress_s_median=med("compress_s"),
         decode_s_median=med("decode_s"),
-        bytes_per_step_transport=med("bytes_sent"),
-        bytes_per_step_interface=iface,
+        bytes_per_step_transport=mean_over_ranks("bytes_sent"),
+        bytes_per_step_interface=statistics.mean(per_rank_iface),
         raw_bytes_per_step=med("raw_bytes"),
         final_loss=rows[-1]["loss"],
         plain_step_share=sum(bool(r.get("plain")) for r in rows) / len(rows),
+        world_size=world,
+        encoded_bytes_per_step=mean_over_ranks("encoded_bytes"),
+        bytes_per_step_interface_max=max(per_rank_iface),
     )
 
 
-def lab_label(rate_mbit: float | None) -> str:
-    return "unlimited" if rate_mbit is None else f"{rate_mbit:g}Mbit"
+def lab_label(lab: Any) -> str:
+    if getattr(lab, "loopback", False):
+        return "loopback"
+    return "unlimited" if lab.rate_mbit is None else f"{lab.rate_mbit:g}Mbit"
 
 
 def print_table(results: list[Result]) -> None:
+    w = _label_width()
     header = (
-        f"{'link':>10} {'model':>17} {'method':>9} {'step ms':>8} {'comm ms':>8} {'comp ms':>8} "
-        f"{'dec ms':>7} {'MB/step':>8} {'iface MB':>8} {'plain':>5} {'speedup':>7}"
+        f"{'link':>10} {'W':>2} {'model':>17} {'method':>{w}} {'step ms':>8} {'comm ms':>8} {'comp ms':>8} "
+        f"{'dec ms':>7} {'MB/step':>8} {'iface MB':>8} {'x payload':>9} {'plain':>5} {'speedup':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
+        # Bytes a rank's interface sent per step over one rank's own compressed gradient.
+        per_payload = r.bytes_per_step_interface / r.encoded_bytes_per_step if r.encoded_bytes_per_step else 0
         print(
-            f"{r.link:>10} {r.model:>17} {r.method:>9} "
+            f"{r.link:>10} {r.world_size:>2} {r.model:>17} {r.method:>{w}} "
             f"{1e3 * r.step_s_median:8.1f} {1e3 * r.comm_s_median:8.1f} "
             f"{1e3 * r.compress_s_median:8.1f} {1e3 * r.decode_s_median:7.1f} "
             f"{r.bytes_per_step_transport / 1e6:8.3f} {r.bytes_per_step_interface / 1e6:8.3f} "
-            f"{r.plain_step_share:5.0%} {r.speedup_vs_none:7.2f}"
+            f"{per_payload:9.2f} {r.plain_step_share:5.0%} {r.speedup_vs_none:7.2f}"
         )
 
 
@@ -243,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Needs root for `ip netns` and `tc`.\n"
-        "Example: python -m jobs.bench_network --quick --json runs/net.json",
+        "Columns: MB/step and iface MB are bytes ONE rank sent per step (transport's count, and its\n"
+        "interface's counter; means over ranks); x payload = iface MB / that rank's own compressed\n"
+        "gradient (encoded bytes).\n"
+        "Examples: python -m jobs.bench_network --quick --json runs/net.json\n"
+        "          python -m jobs.bench_network --world-size 4 --links 1000 "
+        "--methods none,tail-allgather,tail-sharded",
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps, one model (synthetic_mlp)")
     parser.add_argument(
@@ -261,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         help="untimed steps first (default %(default)s): they cover Tail's link-aware start-up "
         "trial (5 warm-up + 5 compressed + 5 plain steps) and, after a near tie, its first "
         "re-check (25 steps later), so the timed steps show the settled mode",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="training ranks, one per network namespace (2: a veth pair; more: a bridge; "
+        "default %(default)s)",
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")
@@ -283,7 +333,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps = min(args.steps, 8)
         args.models = "synthetic_mlp"
-    links = [None if s.strip() == "unlimited" else float(s) for s in args.links.split(",")]
+    if not 2 <= args.world_size <= 26:
+        parser.error(f"--world-size must be in 2..26, got {args.world_size}")
+    links: list[float | str | None] = []
+    for item in (s.strip() for s in args.links.split(",")):
+        if item in ("unlimited", "loopback"):
+            links.append(None if item == "unlimited" else item)
+            continue
+        try:
+            links.append(float(item))
+        except ValueError:
+            parser.error(f"--links: {item!r} is not a rate in Mbit/s, 'unlimited' or 'loopback'")
     models = [m.strip() for m in args.models.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
     for m in models:
@@ -296,13 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     port = _free_port()
     try:
-        for rate in links:
-            with NetLab(rate, delay_ms=args.delay_ms) as lab:
+        for link in links:
+            loopback = link == "loopback"
+            rate = None if loopback or link is None else float(link)
+            with NetLab(rate, delay_ms=args.delay_ms, hosts=args.world_size, loopback=loopback) as lab:
                 for model in models:
                     for method in methods:
-                        logger.info("link %s model %s method %s", lab_label(rate), model, method)
+                        logger.info(
+                            "link %s, %d ranks, model %s, method %s",
+                            lab_label(lab),
+                            args.world_size,
+                            model,
+                            method,
+                        )
                         port += 1
-                        results.append(run_pair(lab, model, method, args, port))
+                        results.append(run_group(lab, model, method, args, port))
     except NetLabError as exc:
         logger.error("cannot run the network benchmark: %s", exc)
         return 2
@@ -319,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmark": "network",
                     "steps": args.steps,
                     "batch_size": args.batch_size,
+                    "world_size": args.world_size,
                     "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
                     "results": [asdict(r) for r in results],
                 },

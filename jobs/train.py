@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             f"Config keys (YAML file and --set): {keys}. "
-            "Compression settings: --set compression.KEY=VALUE. "
+            "Compression settings: --set compression.KEY=VALUE; for qsgd/topk/tail also "
+            "compression.collective=auto|allgather|sharded|hierarchical (auto: all-gather at 2 "
+            "workers, sharded from 3, hierarchical across multi-worker nodes; docs/collective.md). "
             "Examples: python -m jobs.train --config jobs/configs/smoke.yaml; "
             "python -m jobs.train --config jobs/configs/digits-tail.yaml --set steps=100 --set max_workers=1"
         ),

@@ -35,6 +35,7 @@ from service.client import Api, CliError, home_dir, state_file
 from service.job_yaml import load_job_yaml
 from service.stack import Stack, StackOptions, StopRequested, running, warm_kernels
 from service.status import JobStatus
+from service.terminal import Output
 from service.upload import entrypoint_from_command, zip_directory
 
 DEFAULT_MAX_WORLD = 8  # tail_ray.warmup's default, named here without importing torch
@@ -61,14 +62,6 @@ def _num(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- API commands
 def cmd_submit(args: argparse.Namespace) -> int:
     api = _api(args)
@@ -84,7 +77,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         raise CliError("give a job spec file, or your own command: --working-dir DIR -- python my_train.py")
     job = api.post("/v1/jobs", spec)
-    print(f"submitted {job['id']} ({job['name']}, {job['status']}); watch it at {api.url}/#job={job['id']}")
+    args.out.say(
+        f"submitted {job['id']} ({job['name']}, {job['status']}); watch it at {api.url}/#job={job['id']}"
+    )
     return 0
 
 
@@ -97,7 +92,9 @@ def _custom_spec(api: Api, args: argparse.Namespace) -> dict[str, Any]:
     if working_dir is not None:
         data, files = zip_directory(working_dir)
         package = api.post_zip("/v1/packages", data)
-        print(f"working dir {working_dir}: {files} files, {len(data)} bytes -> package {package['id'][:12]}")
+        args.out.say(
+            f"working dir {working_dir}: {files} files, {len(data)} bytes -> package {package['id'][:12]}"
+        )
         spec["working_dir"] = package["id"]
     if args.pip:
         spec["pip"] = list(args.pip)
@@ -113,8 +110,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         method = j["spec"].get("method", "(own code)") if j["spec"] else "(by hand)"
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"]))
         rows.append([j["id"], j["name"], method, j["status"], created])
-    print(_table(["JOB", "NAME", "METHOD", "STATUS", "CREATED"], rows))
-    print(f"{len(rows)} of {page['total']} jobs")
+    args.out.table(["JOB", "NAME", "METHOD", "STATUS", "CREATED"], rows)
+    args.out.say(f"{len(rows)} of {page['total']} jobs")
     return 0
 
 
@@ -131,8 +128,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         ]
         for row in layers
     ]  # fmt: skip
-    print(_table(["LAYER", "STEP", "RANKS", "BITS", "DENSITY", "RATIO", "RAW", "ENCODED", "REL_ERR"], rows))
-    print(
+    args.out.table(["LAYER", "STEP", "RANKS", "BITS", "DENSITY", "RATIO", "RAW", "ENCODED", "REL_ERR"], rows)
+    args.out.say(
         f"\nsteps {summary['steps']} (last {summary['last_step']}), world sizes {summary['world_sizes']}, "
         f"loss {summary['last_loss']}\ntraffic raw {_bytes(summary['raw_bytes'])}, sent "
         f"{_bytes(summary['bytes_sent'])}, saved {_bytes(summary['traffic_saved_bytes'])} "
@@ -143,20 +140,16 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     job = _api(args).post(f"/v1/jobs/{args.job_id}/stop")
-    print(f"{job['id']}: {job['status']}")
+    args.out.say(f"{job['id']}: {job['status']}")
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    print(_api(args).get(f"/v1/jobs/{args.job_id}/logs")["logs"], end="")
+    print(_api(args).get(f"/v1/jobs/{args.job_id}/logs")["logs"], end="", file=args.out.out)  # verbatim
     return 0
 
 
 # ----------------------------------------------------------------------------- up / demo
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
 def _stack_options(args: argparse.Namespace) -> StackOptions:
     return StackOptions(
         home=home_dir(),
@@ -174,7 +167,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
 def cmd_warmup(args: argparse.Namespace) -> int:
     if args.max_world < 1:
         raise CliError(f"--max-world must be at least 1, got {args.max_world}")
-    warm_kernels(args.max_world, _say)
+    warm_kernels(args.max_world, args.out.say)
     return 0
 
 
@@ -208,31 +201,30 @@ def _banner(stack: Stack) -> str:
 
 def cmd_up(args: argparse.Namespace) -> int:
     try:
-        with running(_stack_options(args), _say) as stack:
-            _say(_banner(stack))
-            _say("Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray")
+        with running(_stack_options(args), args.out.say) as stack:
+            args.out.say(_banner(stack))
+            args.out.say("Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray")
             while True:
                 stack.watch()
                 time.sleep(0.5)
     except StopRequested as stop:
-        _say(f"{stop} received: stopped the service and Ray")
+        args.out.say(f"{stop} received: stopped the service and Ray")
     return 0
 
 
-def _follow(api: Api, job_id: str, label: str, steps: int, tick: Callable[[], None]) -> dict[str, Any]:
-    """Draw a progress bar until the job ends; returns the job. ``tick`` supervises the stack."""
-    width = 30
-    while True:
-        tick()
-        job = api.get(f"/v1/jobs/{job_id}")
-        last = api.get(f"/v1/jobs/{job_id}/metrics/summary")["last_step"]
-        done = 0 if last is None else min(steps, last + 1)
-        bar = "#" * (width * done // steps) + "-" * (width - width * done // steps)
-        print(f"\r{label:>5} [{bar}] {done:>4}/{steps} {job['status']:<10}", end="", flush=True)
-        if JobStatus.from_ray(job["status"]).is_terminal:
-            print()
-            return dict(job)
-        time.sleep(1.0)
+def _follow(
+    out: Output, api: Api, job_id: str, label: str, steps: int, tick: Callable[[], None]
+) -> dict[str, Any]:
+    """Show the job's progress until it ends; returns the job. ``tick`` supervises the stack."""
+    with out.progress(label, steps) as update:
+        while True:
+            tick()
+            job = api.get(f"/v1/jobs/{job_id}")
+            last = api.get(f"/v1/jobs/{job_id}/metrics/summary")["last_step"]
+            update(0 if last is None else min(steps, last + 1), job["status"])
+            if JobStatus.from_ray(job["status"]).is_terminal:
+                return dict(job)
+            time.sleep(1.0)
 
 
 def _result_line(logs: str) -> dict[str, Any]:
@@ -247,10 +239,10 @@ def _result_line(logs: str) -> dict[str, Any]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     try:
-        with running(_stack_options(args), _say) as stack:
+        with running(_stack_options(args), args.out.say) as stack:
             _run_demo(stack, args)
     except StopRequested as stop:
-        _say(f"{stop} received: stopped the service and Ray")
+        args.out.say(f"{stop} received: stopped the service and Ray")
         return 130
     return 0
 
@@ -259,7 +251,8 @@ def _run_demo(stack: Stack, args: argparse.Namespace) -> None:
     api = stack.api
     ray = stack.head.dashboard_url if stack.head else args.ray_dashboard_url
     pids = ", ".join(f"{what} {pid}" for what, pid in stack.pids().items())
-    _say(f"tail-ray is up at {stack.url}/ (Ray {ray}; pids {pids})")
+    out = args.out
+    out.say(f"tail-ray is up at {stack.url}/ (Ray {ray}; pids {pids})")
     results = {}
     for method in ("tail", "none"):
         spec = {
@@ -272,18 +265,18 @@ def _run_demo(stack: Stack, args: argparse.Namespace) -> None:
             # link-aware switch would (rightly) pick plain all-reduce: pin compression on.
             spec["compression"] = {"link_aware": False}
         job = api.post("/v1/jobs", spec)
-        print(f"submitted {job['id']} ({method}); watch it at {api.url}/#job={job['id']}")
-        job = _follow(api, job["id"], method, args.steps, stack.watch)
+        out.say(f"submitted {job['id']} ({method}); watch it at {api.url}/#job={job['id']}")
+        job = _follow(out, api, job["id"], method, args.steps, stack.watch)
         summary = api.get(f"/v1/jobs/{job['id']}/metrics/summary")
         result = _result_line(api.get(f"/v1/jobs/{job['id']}/logs")["logs"])
         if job["status"] != "SUCCEEDED":
-            print(f"  {method}: {job['status']}: {job['message'][-300:]}")
+            out.say(f"  {method}: {job['status']}: {job['message'][-300:]}")
         results[method] = (job, summary, result)
-    print()
-    print(_demo_table(results))
+    out.say("")
+    out.table(["", *results], _demo_rows(results))
 
 
-def _demo_table(results: dict[str, tuple[dict, dict, dict]]) -> str:
+def _demo_rows(results: dict[str, tuple[dict, dict, dict]]) -> list[list[str]]:
     def acc(r: dict) -> str:
         return f"{r['val_accuracy']:.3f}" if "val_accuracy" in r else "-"
 
@@ -302,10 +295,28 @@ def _demo_table(results: dict[str, tuple[dict, dict, dict]]) -> str:
         + [f"{s['mean_layer_ratio']:.2f}x" if s["mean_layer_ratio"] else "-" for _, s, _ in results.values()],
         ["wall time"] + [f"{r['wall_s']:.1f} s" if "wall_s" in r else "-" for _, _, r in results.values()],
     ]
-    return _table(["", *results], rows)
+    return rows
 
 
 # ----------------------------------------------------------------------------- parser
+def _add_stack_options(p: argparse.ArgumentParser) -> None:
+    """The options `up` and `demo` share: where the service listens, keeps data, finds Ray."""
+    p.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1 (0: any free one)")
+    p.add_argument(
+        "--db", help=f"SQLite file (default: {home_dir() / 'service.sqlite'}; TAIL_RAY_HOME moves it)"
+    )
+    p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs the local Ray head offers")
+    p.add_argument("--ray-address", help="use this running cluster's GCS (host:port) instead of a local head")
+    p.add_argument(
+        "--ray-dashboard-url", default="http://127.0.0.1:8265", help="its job server, with --ray-address"
+    )
+    p.add_argument(
+        "--python",
+        help="the interpreter jobs run with (default: this one with a local head; with --ray-address,"
+        " `python` on the cluster's PATH)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tail-ray",
@@ -316,26 +327,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token", help="API token (default: TAIL_RAY_API_TOKEN, else the one `up` saved)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def stack_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1 (0: any free one)")
-        p.add_argument(
-            "--db", help=f"SQLite file (default: {home_dir() / 'service.sqlite'}; TAIL_RAY_HOME moves it)"
-        )
-        p.add_argument(
-            "--num-cpus", type=int, default=os.cpu_count() or 2, help="CPUs the local Ray head offers"
-        )
-        p.add_argument(
-            "--ray-address", help="use this running cluster's GCS (host:port) instead of a local head"
-        )
-        p.add_argument(
-            "--ray-dashboard-url", default="http://127.0.0.1:8265", help="its job server, with --ray-address"
-        )
-        p.add_argument(
-            "--python",
-            help="the interpreter jobs run with (default: this one with a local head; with --ray-address,"
-            " `python` on the cluster's PATH)",
-        )
-
     up = sub.add_parser(
         "up",
         help="a local Ray head and the service (restarted if it dies); Ctrl-C, SIGTERM, SIGHUP stop both",
@@ -344,10 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
         " service that dies is restarted (Ray and its jobs keep running). Ctrl-C, SIGTERM or SIGHUP"
         " stops the service, then Ray. One `up` per TAIL_RAY_HOME (default ~/.tail_ray).",
     )
-    stack_options(up)
+    _add_stack_options(up)
     up.set_defaults(func=cmd_up)
     demo = sub.add_parser("demo", help="up, then digits with 'tail' and with 'none', compared side by side")
-    stack_options(demo)
+    _add_stack_options(demo)
     demo.add_argument("--steps", type=int, default=150, help="training steps per job (default: %(default)s)")
     demo.add_argument("--workers", type=int, default=2, help="workers per job (default: %(default)s)")
     demo.set_defaults(func=cmd_demo)
@@ -402,9 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, command_line = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    out = args.out = Output()
     if command_line:
         if args.command != "submit":
-            print(f"tail-ray: `--` and a command go with `submit`, not `{args.command}`", file=sys.stderr)
+            out.error(f"`--` and a command go with `submit`, not `{args.command}`")
             return EXIT_USAGE
         args.command_line = command_line
     if getattr(args, "port", None) == 0:
@@ -413,11 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
-    except (CliError, OSError) as exc:
-        print(f"tail-ray: {exc}", file=sys.stderr)
-        return EXIT_API
-    except RuntimeError as exc:  # a Ray head that would not start
-        print(f"tail-ray: {exc}", file=sys.stderr)
+    except (CliError, OSError, RuntimeError) as exc:  # RuntimeError: a Ray head that would not start
+        out.error(str(exc))
         return EXIT_API
 
 

@@ -20,6 +20,8 @@ import os
 import shlex
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,9 +132,34 @@ class RayGateway:
             except Exception as exc:
                 logger.warning("leaving the Ray cluster failed: %s", self.redact(str(exc)))
 
-    def _cluster_gone(self) -> None:
-        self._drop_client()
-        self._drop_driver()
+    @contextmanager
+    def _jobs_call(
+        self,
+        what: str,
+        *,
+        missing: Exception | None = None,
+        drop_client: bool = False,
+        cluster_gone: bool = False,
+    ) -> Iterator[None]:
+        """The one error ladder of every Jobs API call. A RayUnavailable passes as it is; Ray's
+        "does not exist" becomes ``missing`` (a 404 or 409 for the API); anything else becomes
+        RayUnavailable(``what``), redacted. ``drop_client``: a failure forgets the HTTP client
+        (the next call builds one afresh). ``cluster_gone``: a failure may mean the cluster went
+        away, so the client goes and the driver leaves if the GCS is unreachable too."""
+        try:
+            yield
+        except RayUnavailable:
+            if cluster_gone:  # the job server is unreachable: maybe the GCS as well
+                self._drop_driver()
+            raise
+        except Exception as exc:
+            if missing is not None and isinstance(exc, RuntimeError) and "does not exist" in str(exc):
+                raise missing from None
+            if drop_client or cluster_gone:
+                self._drop_client()
+            if cluster_gone:
+                self._drop_driver()
+            raise self._unavailable(what, exc) from None
 
     # ------------------------------------------------------------ jobs API
     def submit(self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any] | None = None) -> None:
@@ -143,7 +170,7 @@ class RayGateway:
             if self.settings.job_working_dir is not None:
                 runtime_env["working_dir"] = str(self.settings.job_working_dir)
         runtime_env = {**runtime_env, "env_vars": {"RAY_AUTH_MODE": "token"}}
-        try:
+        with self._jobs_call("Ray refused the job submission", drop_client=True):
             self._jobs().submit_job(
                 entrypoint=entrypoint,
                 submission_id=submission_id,
@@ -151,22 +178,11 @@ class RayGateway:
                 metadata={JOB_METADATA_KEY: "service"},
                 entrypoint_num_cpus=0,
             )
-        except RayUnavailable:
-            raise
-        except Exception as exc:
-            self._drop_client()
-            raise self._unavailable("Ray refused the job submission", exc) from None
 
     def list_tail_jobs(self) -> list[RayJob]:
         """Every job on the cluster that is ours to show (see the module doc)."""
-        try:
+        with self._jobs_call("cannot list Ray jobs", cluster_gone=True):
             details = self._jobs().list_jobs()
-        except RayUnavailable:
-            self._drop_driver()
-            raise
-        except Exception as exc:
-            self._cluster_gone()
-            raise self._unavailable("cannot list Ray jobs", exc) from None
         try:
             with_sinks = self.sink_job_ids()
         except RayUnavailable:  # the job server answers but the GCS does not (yet): list what we can
@@ -181,52 +197,33 @@ class RayGateway:
                 out.append(_ray_job(d))
         return out
 
+    # Each call assigns inside the ladder and returns after it: a @contextmanager could in
+    # principle swallow the exception, so a return inside `with` reads as "may fall through".
     def job(self, submission_id: str) -> RayJob:
-        try:
-            return _ray_job(self._jobs().get_job_info(submission_id))
-        except RayUnavailable:
-            raise
-        except RuntimeError as exc:
-            if "does not exist" in str(exc):
-                raise JobNotFound(f"Ray has no job {submission_id!r}") from None
-            raise self._unavailable("cannot read the Ray job", exc) from None
-        except Exception as exc:
-            raise self._unavailable("cannot read the Ray job", exc) from None
+        with self._jobs_call(
+            "cannot read the Ray job", missing=JobNotFound(f"Ray has no job {submission_id!r}")
+        ):
+            job = _ray_job(self._jobs().get_job_info(submission_id))
+        return job
 
     def stop(self, submission_id: str) -> bool:
-        try:
-            return bool(self._jobs().stop_job(submission_id))
-        except RayUnavailable:
-            raise
-        except RuntimeError as exc:
-            if "does not exist" in str(exc):
-                raise JobConflict(f"Ray has no job {submission_id!r} to stop") from None
-            raise self._unavailable("cannot stop the Ray job", exc) from None
-        except Exception as exc:
-            raise self._unavailable("cannot stop the Ray job", exc) from None
+        with self._jobs_call(
+            "cannot stop the Ray job", missing=JobConflict(f"Ray has no job {submission_id!r} to stop")
+        ):
+            stopped = self._jobs().stop_job(submission_id)
+        return bool(stopped)
 
     def logs(self, submission_id: str) -> str:
-        try:
-            return self.redact(self._jobs().get_job_logs(submission_id))
-        except RayUnavailable:
-            raise
-        except RuntimeError as exc:
-            if "does not exist" in str(exc):
-                raise JobNotFound(f"Ray has no logs for job {submission_id!r}") from None
-            raise self._unavailable("cannot read the job logs", exc) from None
-        except Exception as exc:
-            raise self._unavailable("cannot read the job logs", exc) from None
+        with self._jobs_call(
+            "cannot read the job logs", missing=JobNotFound(f"Ray has no logs for job {submission_id!r}")
+        ):
+            text = self._jobs().get_job_logs(submission_id)
+        return self.redact(text)
 
     def ping_jobs(self) -> None:
         """Raises RayUnavailable unless the job server answers."""
-        try:
+        with self._jobs_call("Ray job server did not answer", cluster_gone=True):
             self._jobs().list_jobs()
-        except RayUnavailable:
-            self._drop_driver()
-            raise
-        except Exception as exc:
-            self._cluster_gone()
-            raise self._unavailable("Ray job server did not answer", exc) from None
 
     # ------------------------------------------------------------ sinks (Ray core)
     def connect(self) -> None:

@@ -121,6 +121,19 @@ class HeadPorts:
                     return False
         return True
 
+    def node_args(self) -> list[str]:
+        """The `ray start` flags for the ports every node binds, head or not."""
+        return [
+            f"--dashboard-agent-listen-port={self.dashboard_agent}",
+            f"--dashboard-agent-grpc-port={self.dashboard_agent_grpc}",
+            f"--runtime-env-agent-port={self.runtime_env_agent}",
+            f"--metrics-export-port={self.metrics_export}",
+            f"--node-manager-port={self.node_manager}",
+            f"--object-manager-port={self.object_manager}",
+            f"--min-worker-port={self.min_worker}",
+            f"--max-worker-port={self.max_worker}",
+        ]
+
     @property
     def gcs_address(self) -> str:
         return f"127.0.0.1:{self.gcs}"
@@ -277,14 +290,7 @@ class LocalRayHead:
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={p.dashboard}",
             f"--ray-client-server-port={p.client_server}",
-            f"--dashboard-agent-listen-port={p.dashboard_agent}",
-            f"--dashboard-agent-grpc-port={p.dashboard_agent_grpc}",
-            f"--runtime-env-agent-port={p.runtime_env_agent}",
-            f"--metrics-export-port={p.metrics_export}",
-            f"--node-manager-port={p.node_manager}",
-            f"--object-manager-port={p.object_manager}",
-            f"--min-worker-port={p.min_worker}",
-            f"--max-worker-port={p.max_worker}",
+            *p.node_args(),
         ]  # fmt: skip
         if self.temp_dir is not None:
             cmd.append(f"--temp-dir={self.temp_dir}")
@@ -328,7 +334,8 @@ class LocalRayHead:
             elif not self.include_dashboard:
                 return
             else:
-                token = ray_token()
+                # A node given its own token (RAY_AUTH_TOKEN in ``env``) checks with that one.
+                token = self.extra_env.get("RAY_AUTH_TOKEN") or ray_token()
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
                 try:
                     resp = httpx.get(f"{self.dashboard_url}/api/jobs/", headers=headers, timeout=2.0)
@@ -351,14 +358,7 @@ class LocalRayHead:
             f"--address={self.address}",
             f"--num-cpus={num_cpus}", "--num-gpus=0",
             "--node-ip-address=127.0.0.1",
-            f"--dashboard-agent-listen-port={p.dashboard_agent}",
-            f"--dashboard-agent-grpc-port={p.dashboard_agent_grpc}",
-            f"--runtime-env-agent-port={p.runtime_env_agent}",
-            f"--metrics-export-port={p.metrics_export}",
-            f"--node-manager-port={p.node_manager}",
-            f"--object-manager-port={p.object_manager}",
-            f"--min-worker-port={p.min_worker}",
-            f"--max-worker-port={p.max_worker}",
+            *p.node_args(),
         ]  # fmt: skip
         if self.object_store_bytes is not None:
             cmd.append(f"--object-store-memory={self.object_store_bytes // 2}")

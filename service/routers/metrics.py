@@ -6,7 +6,7 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from service.deps import IngesterDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.errors import InvalidHeader
@@ -118,18 +118,21 @@ def parse_last_event_id(value: str | None) -> int | None:
     operation_id="prometheus_metrics",
     response_class=PlainTextResponse,
     dependencies=[Depends(guard_reads)],
-    responses={200: {"content": {"text/plain": {}}}},
+    responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
 )
 def prometheus_metrics(
-    storage: StorageDep, settings: SettingsDep, ingester: IngesterDep
-) -> PlainTextResponse:
-    """Prometheus text: job counts by status, per-job traffic and ratio for the newest
-    ``prometheus_max_jobs`` jobs, per-layer ratio/bits capped at ``prometheus_max_layers``."""
-    body = render_prometheus(
+    request: Request, storage: StorageDep, settings: SettingsDep, ingester: IngesterDep
+) -> Response:
+    """Prometheus text (OpenMetrics when Accept asks for it): job counts by status, per-job
+    traffic and ratio for the newest ``prometheus_max_jobs`` jobs, per-layer ratio/bits capped at
+    ``prometheus_max_layers``; the ingester lease and what storage holds."""
+    accept = request.headers.get("accept")  # OpenAPI ignores an Accept parameter: read it here
+    body, content_type = render_prometheus(
         storage,
         settings,
-        ingest_ok=ingester.last_error is None,
+        ingester.last_error is None,
+        accept,
         leader=ingester.is_leader,
         stored_here=ingester.stored_records,
     )
-    return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(body, media_type=content_type)

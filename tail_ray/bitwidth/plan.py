@@ -20,6 +20,8 @@ import numpy as np
 
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.compression.device import LayerArray
+from tail_ray.compression.feedback import Residual
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
 
@@ -73,7 +75,7 @@ class BitController:
         return tau > plan.tau * _TAU_MOVE or tau < plan.tau / _TAU_MOVE
 
     def plan(
-        self, name: str, g: np.ndarray, residual: np.ndarray | None, step: int, norm: float
+        self, name: str, g: LayerArray, residual: Residual | None, step: int, norm: float
     ) -> LayerPlan:
         """The plan for this layer at this step (re-deciding when stale)."""
         self.policy.observe_norm(name, norm, step)

@@ -9,13 +9,20 @@ Approximate computing: instead of all buckets, a random handful of whole buckets
 thousand elements) gives an unbiased estimate of both sums (each sampled bucket has its exact
 scale), so the decision costs microseconds. ``bucket_errors`` computes the same sums over any
 set of buckets, so the exact value is the same call with every bucket.
+
+A layer held on the device (``DeviceFlat``: the Triton backend) is estimated there, by a kernel
+that sums in exactly this module's order (device_codec.bucket_errors): the same bits, so the
+same sampled buckets give the same decision on either backend.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
+from tail_ray.compression.device import DeviceFlat, LayerArray
+from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
 
@@ -92,8 +99,8 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
 
 
 def bucket_errors(
-    g: np.ndarray,
-    residual: np.ndarray | None,
+    g: LayerArray,
+    residual: Residual | None,
     bucket_size: int,
     bucket_ids: np.ndarray,
     candidate_bits: tuple[int, ...],
@@ -101,6 +108,12 @@ def bucket_errors(
     """(sum of expected squared errors per candidate bits, sum of squares, non-zero buckets)
     over ``bucket_ids``. The values are those of g + residual (or g alone when residual is None).
     """
+    if isinstance(g, DeviceFlat):
+        from tail_ray.compression import device_codec
+
+        assert residual is None or isinstance(residual, torch.Tensor)
+        return device_codec.bucket_errors(g, residual, bucket_size, bucket_ids, candidate_bits)
+    assert residual is None or isinstance(residual, np.ndarray)
     lmaxes = np.array([levels_max(b) for b in candidate_bits], dtype=np.int64)
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g
@@ -114,8 +127,8 @@ _MAX_SAMPLE_GROWTH = 4
 
 
 def relative_errors(
-    g: np.ndarray,
-    residual: np.ndarray | None,
+    g: LayerArray,
+    residual: Residual | None,
     bucket_size: int,
     candidate_bits: tuple[int, ...],
     *,

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from tail_ray.collective.state import Group, HookState, Settings
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.collective.transport import ring_allreduce_bytes
 from tail_ray.compression.stats import LayerStats
 from tail_ray.errors import ConfigError
@@ -64,7 +65,15 @@ class AllReduceState(HookState):
             raise ConfigError(f"method {self.method.value!r} is not an all-reduce method; use {list(CASTS)}")
 
     @classmethod
-    def from_settings(cls, method: Method, model: nn.Module, settings: Settings, group: Group) -> Self:
+    def from_settings(
+        cls,
+        method: Method,
+        model: nn.Module,
+        settings: Settings,
+        group: Group,
+        *,
+        layout: NodeLayout | None = None,
+    ) -> Self:
         settings_from_mapping(NoSettings, settings, what=f"method {method.value!r}")
         return cls(method, model, process_group=group)
 

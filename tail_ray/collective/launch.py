@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,7 +48,15 @@ def _entry(
             # with it can make gloo std::terminate that process (seen as SIGABRT).
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if leave_together:
+            dist.destroy_process_group()
+    if not leave_together:
+        # The peers may have failed mid-collective (a test of a crashed rank): leave at once,
+        # as a crashed worker would. gloo's teardown can block for good on a pair whose peer
+        # vanished (seen with 4 ranks: a process stuck after its function returned).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_local_group(
@@ -57,8 +66,13 @@ def run_local_group(
     timeout_s: float = 60.0,
     *,
     leave_together: bool = True,
+    collective_timeout_s: float | None = None,
 ) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise on failure.
+
+    ``timeout_s`` bounds the whole run, and each collective unless ``collective_timeout_s``
+    is given (a test that must tell a hang from a slow start on a busy machine: starting W
+    processes there can take longer than a collective may wait).
 
     ``fn`` must be importable by name (a module-level function). Results travel back through
     files or queues the caller passes in ``args``. ``leave_together``: the ranks meet at a
@@ -68,7 +82,7 @@ def run_local_group(
     port = free_port()
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, timeout_s, args, leave_together),
+        args=(fn, world_size, port, collective_timeout_s or timeout_s, args, leave_together),
         nprocs=world_size,
         join=False,
         start_method="spawn",

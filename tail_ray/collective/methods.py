@@ -31,6 +31,7 @@ from tail_ray.collective.powersgd import (
     powersgd_hook,
 )
 from tail_ray.collective.state import Group, HookState, Settings
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.compression.registry import compressor_entry
 from tail_ray.methods import Method
 from tail_ray.settings import NoSettings, setting_names
@@ -51,9 +52,11 @@ class MethodSpec:
     local_round_trip: LocalRoundTrip
     settings: type[Any]
 
-    def make_state(self, model: nn.Module, settings: Settings, group: Group) -> HookState:
+    def make_state(
+        self, model: nn.Module, settings: Settings, group: Group, *, layout: NodeLayout | None = None
+    ) -> HookState:
         """A validated state for this method (the state factory)."""
-        return self.state.from_settings(self.method, model, settings, group)
+        return self.state.from_settings(self.method, model, settings, group, layout=layout)
 
     @property
     def exchanges_payloads(self) -> bool:
@@ -95,9 +98,11 @@ METHOD_SPECS: Mapping[Method, MethodSpec] = {
             local_powersgd_round_trip,
             PowerSGDSettings,
         ),
-        _payload(Method.QSGD, "fixed-bit stochastic quantization, all-gathered payloads"),
-        _payload(Method.TOPK, "top-k sparsification with error feedback, all-gathered payloads"),
-        _payload(Method.TAIL, "Tail: automatic bits per layer, sparse + entropy coding, all-gathered"),
+        _payload(Method.QSGD, "fixed-bit stochastic quantization, compressed collective"),
+        _payload(Method.TOPK, "top-k sparsification with error feedback, compressed collective"),
+        _payload(
+            Method.TAIL, "Tail: automatic bits per layer, sparse + entropy coding, compressed collective"
+        ),
     )
 }
 

@@ -13,13 +13,17 @@ from tail_ray.compression.stats import LayerStats
 class HookStepMetrics:
     """What the hook did during one optimizer step on this rank.
 
-    ``layers``: one record per layer (parameter) communicated this step. ``bytes_sent`` /
+    ``layers``: one record per layer (parameter) communicated this step. ``stage_two``: one
+    record per layer slice this rank re-compressed as the owner of a shard (sharded and
+    hierarchical collectives: the second stage's bits, bytes and estimated error; empty
+    otherwise). ``bytes_sent`` /
     ``bytes_received``: bytes this rank handed to / got from the collectives (see
     docs/collective.md for how all-gather and all-reduce traffic is counted). ``raw_bytes``:
     fp32 size of every gradient communicated. Times are wall seconds summed over buckets.
     """
 
     layers: list[LayerStats] = field(default_factory=list)
+    stage_two: list[LayerStats] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
     raw_bytes: int = 0
@@ -53,6 +57,7 @@ class StepMetricsAccumulator:
         self,
         *,
         layers: Iterable[LayerStats] = (),
+        stage_two: Iterable[LayerStats] = (),
         bytes_sent: int = 0,
         bytes_received: int = 0,
         compress_s: float = 0.0,
@@ -65,8 +70,10 @@ class StepMetricsAccumulator:
         with self._lock:
             s = self._sums
             s.layers.extend(layers)
+            s.stage_two.extend(stage_two)
             self._sums = HookStepMetrics(
                 layers=s.layers,
+                stage_two=s.stage_two,
                 bytes_sent=s.bytes_sent + bytes_sent,
                 bytes_received=s.bytes_received + bytes_received,
                 raw_bytes=s.raw_bytes + sum(layer.raw_bytes for layer in layers),

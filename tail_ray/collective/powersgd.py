@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from tail_ray.collective.state import Group, HookState, Settings
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.collective.transport import ring_allreduce_bytes
 from tail_ray.compression.stats import LayerStats
 from tail_ray.errors import ConfigError
@@ -103,7 +104,15 @@ class PowerSGDHookState(HookState):
         self.local_error: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_settings(cls, method: Method, model: nn.Module, settings: Settings, group: Group) -> Self:
+    def from_settings(
+        cls,
+        method: Method,
+        model: nn.Module,
+        settings: Settings,
+        group: Group,
+        *,
+        layout: NodeLayout | None = None,
+    ) -> Self:
         if method != Method.POWERSGD:
             raise ConfigError(f"PowerSGDHookState runs method 'powersgd', not {method.value!r}")
         ps = PowerSGDSettings.from_mapping(settings).torch_state(group)

@@ -20,6 +20,7 @@ from torch import nn
 
 from tail_ray.collective.methods import Hook, method_spec
 from tail_ray.collective.state import HookState, unwrap
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.errors import ConfigError
 from tail_ray.methods import Method
 
@@ -29,6 +30,8 @@ def make_hook_state(
     method: Method | str = Method.TAIL,
     config: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    *,
+    layout: NodeLayout | None = None,
 ) -> HookState:
     """Build (and validate) the state for ``method`` without registering anything."""
     spec = method_spec(method)
@@ -36,7 +39,7 @@ def make_hook_state(
         raise ConfigError(
             f"config must be a mapping of settings for {spec.method.value!r}, got {type(config).__name__}"
         )
-    return spec.make_state(model, config, process_group)
+    return spec.make_state(model, config, process_group, layout=layout)
 
 
 def hook_for(method: Method | str) -> Hook:
@@ -51,6 +54,7 @@ def register_tail_hook(
     process_group: dist.ProcessGroup | None = None,
     *,
     model: nn.Module | None = None,
+    layout: NodeLayout | None = None,
 ) -> HookState:
     """Register the comm hook of ``method`` on ``ddp_model``; return its state.
 
@@ -59,24 +63,33 @@ def register_tail_hook(
     (config: the compressor's settings, see ``make_compressor``). ``process_group`` None
     means the default group.
 
-    qsgd / topk / tail also take the link-aware switch's settings in ``config``:
+    qsgd / topk / tail also take, in ``config``, the collective: ``collective`` ("auto"
+    (default), "allgather", "sharded", "hierarchical"; see tail_ray/collective/choice.py) and
+    ``shard_min_numel`` (smallest slice of a layer the sharded collectives cut), and the
+    link-aware switch's settings:
     ``link_aware`` (default true: a step goes by plain all-reduce while that is measured to be
     faster, see tail_ray/collective/gate.py) and ``link_trial_steps``,
     ``link_recheck_every_steps``, ``link_max_recheck_every_steps``, ``link_warmup_steps``,
     ``link_abort_ratio``.
 
+    ``layout``: this rank's node layout (node rank, local rank, local world size) as the
+    launcher placed it: needed by ``collective="hierarchical"`` and used by "auto". Without
+    one, ``NodeLayout.from_env()`` reads torchrun's variables when they are set.
+
     World size 1 (no DDP wrapper): ``register_tail_hook(None, method, config, model=module)``
     registers nothing and returns the state for ``compress_gradients_locally`` (the same as
     ``make_hook_state(module, method, config)``).
     """
+    if layout is None:
+        layout = NodeLayout.from_env()
     if ddp_model is None and model is not None:
-        return make_hook_state(model, method, config, process_group)
+        return make_hook_state(model, method, config, process_group, layout=layout)
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
             f"register_tail_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}; "
             "with one worker use make_hook_state + compress_gradients_locally"
         )
-    state = make_hook_state(ddp_model, method, config, process_group)
+    state = make_hook_state(ddp_model, method, config, process_group, layout=layout)
     ddp_model.register_comm_hook(state, hook_for(state.method))
     return state
 

@@ -17,7 +17,7 @@ every checkpoint; it loads unchanged, each family reading only its own keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tail_ray.collective.metrics import HookStepMetrics, StepMetricsAccumulator
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.errors import ConfigError
 from tail_ray.methods import Method
 
@@ -65,9 +66,18 @@ class HookState:
         self.bind(model)
 
     @classmethod
-    def from_settings(cls, method: Method, model: nn.Module, settings: Settings, group: Group) -> Self:
+    def from_settings(
+        cls,
+        method: Method,
+        model: nn.Module,
+        settings: Settings,
+        group: Group,
+        *,
+        layout: NodeLayout | None = None,
+    ) -> Self:
         """A validated state for ``method`` from its settings mapping (the job's ``compression``
-        block): each family's factory, which ``MethodSpec.make_state`` calls."""
+        block): each family's factory, which ``MethodSpec.make_state`` calls. ``layout``: this
+        rank's node layout, for collectives that use it (payload methods' hierarchical one)."""
         raise NotImplementedError(f"{cls.__name__} is not a method family's state")
 
     # -- layer names ---------------------------------------------------------------------------
@@ -78,6 +88,7 @@ class HookState:
         Needed again after unpickling: parameter identities do not survive a process boundary.
         """
         self.param_names: dict[int, str] = {id(p): n for n, p in unwrap(model).named_parameters()}
+        self.param_numel: dict[str, int] = {n: p.numel() for n, p in unwrap(model).named_parameters()}
         if not self.param_names:
             raise ConfigError("the model has no parameters to communicate")
 
@@ -145,6 +156,14 @@ class HookState:
             )
         self.local_step = int(state["local_step"])
         self._load_family_state(state, residuals=residuals)
+
+    def load_resized(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Restore from the states every rank of a job of ANOTHER size saved (rank order): by
+        default rank 0's, without per-worker residuals; a family with error feedback carries
+        what the old ranks' residuals owed the mean (PayloadHookState)."""
+        if not states:
+            raise ConfigError("load_resized needs the state of at least one old rank")
+        self.load_state_dict(states[0], residuals=False)
 
     def _load_family_state(self, state: Mapping[str, Any], *, residuals: bool) -> None:
         """The family's part of ``load_state_dict``; nothing for a family without state."""

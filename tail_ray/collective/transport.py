@@ -1,4 +1,4 @@
-"""Variable-size all-gather of byte payloads, on gloo (CPU) and nccl (GPU).
+"""Variable-size exchanges of byte payloads, on gloo (CPU) and nccl (GPU): all-gather and all-to-all.
 
 Compressed payloads differ in size from rank to rank, but gloo's ``all_gather`` needs every
 rank to contribute a tensor of the same size. So the exchange is two collectives, always
@@ -9,13 +9,22 @@ issued in this order by the calling thread:
 
 then each received payload is trimmed back to its real length.
 
-Both collectives run synchronously: the caller gets the bytes back, and nothing is left in
-flight that could interleave with the next bucket's collectives (see hook.py on why order
+``all_to_all_bytes`` (the sharded collectives) sends a different payload to every rank:
+
+1. all-to-all of the lengths (one int64 per destination);
+2. one ``all_to_all_single`` of the concatenated payloads with uneven split sizes, so nothing
+   is padded (gloo implements uneven splits for CPU tensors; checked on torch 2.13: the list
+   form ``all_to_all`` and uneven ``all_gather`` are refused by gloo, ``all_to_all_single``
+   with split sizes is not).
+
+Every collective runs synchronously: the caller gets the bytes back, and nothing is left in
+flight that could interleave with the next bucket's collectives (see payload.py on why order
 matters).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,10 +38,11 @@ SIZE_BYTES = 8  # one int64 length per rank in the size exchange
 class GatherTraffic:
     """What one variable-size all-gather moved, from this rank's point of view.
 
-    ``bytes_sent``: what this rank handed to the collectives: its length word plus its
-    payload padded to the longest payload. ``bytes_received``: what arrived from the other
-    ranks: their length words plus their padded payloads. ``payload_bytes``: this rank's
-    payload before padding.
+    ``bytes_sent``: what this rank's link carried out: gloo's (and NCCL's) ring all-gather
+    passes every rank's chunk on around the ring, so each rank sends W-1 chunks (its own and
+    W-2 it forwards), each a length word plus a payload padded to the longest. With two
+    ranks that is its own chunk once. ``bytes_received``: as many (W-1 chunks arrive).
+    ``payload_bytes``: this rank's payload before padding.
     """
 
     bytes_sent: int
@@ -80,10 +90,63 @@ def all_gather_bytes(
 
     out = [_to_bytes(buf[:n]) for buf, n in zip(recv, lengths, strict=True)]
     traffic = GatherTraffic(
-        bytes_sent=SIZE_BYTES + padded,
+        bytes_sent=(world_size - 1) * (SIZE_BYTES + padded),
         bytes_received=(world_size - 1) * (SIZE_BYTES + padded),
         payload_bytes=len(payload),
         padded_bytes=padded,
+    )
+    return out, traffic
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeTraffic:
+    """What one all-to-all moved, from this rank's point of view: the length words and payload
+    bytes it sent to / received from the OTHER ranks (its own share never leaves it)."""
+
+    bytes_sent: int
+    bytes_received: int
+
+
+def all_to_all_bytes(
+    sends: Sequence[bytes],
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> tuple[list[bytes], ExchangeTraffic]:
+    """Send ``sends[j]`` to rank j of ``group``; return what every rank sent this one, in rank order.
+
+    Every rank of ``group`` must call this, in the same order relative to its other
+    collectives, with one payload per rank (its own is handed back without a copy on the wire).
+    """
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if len(sends) != world_size:
+        raise ValueError(f"all_to_all_bytes needs one payload per rank ({world_size}), got {len(sends)}")
+    dev = device if device is not None else collective_device(group)
+
+    send_sizes = torch.tensor([len(p) for p in sends], dtype=torch.int64, device=dev)
+    recv_sizes = torch.empty(world_size, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    in_splits = [len(p) for p in sends]
+    out_splits = [int(n) for n in recv_sizes.tolist()]
+
+    send_np = np.empty(sum(in_splits), dtype=np.uint8)
+    at = 0
+    for p in sends:
+        send_np[at : at + len(p)] = np.frombuffer(p, dtype=np.uint8)
+        at += len(p)
+    send = torch.from_numpy(send_np).to(dev)
+    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+
+    got_np = recv.cpu().numpy()
+    out, at = [], 0
+    for n in out_splits:
+        out.append(got_np[at : at + n].tobytes())
+        at += n
+    others = [j for j in range(world_size) if j != rank]
+    traffic = ExchangeTraffic(
+        bytes_sent=sum(SIZE_BYTES + in_splits[j] for j in others),
+        bytes_received=sum(SIZE_BYTES + out_splits[j] for j in others),
     )
     return out, traffic
 

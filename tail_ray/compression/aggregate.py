@@ -5,8 +5,11 @@ Two entry points, bit-identical to each other on the same payloads:
 - ``mean_records_into``: decoded records (levels and scales, not yet dequantized). A layer
   quantized on every rank is dequantized, summed and divided in one numba pass
   (``quantize.mean_dequantized_into``) straight into the gradient when it is CPU fp32
-  contiguous: no per-rank float32 copy. Any other layer (raw, sparse, or a mix, e.g. one rank
-  sent a non-finite layer raw) is decoded to tensors and averaged as above.
+  contiguous: no per-rank float32 copy; into a CUDA gradient (Triton backend,
+  ``device.uses_triton``) the same arithmetic runs as one Triton kernel on the device
+  (``device_codec.mean_into``: int8 levels up, nothing back). Any other layer (raw, sparse,
+  or a mix, e.g. one rank sent a non-finite layer raw) is decoded to tensors and averaged as
+  above.
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
 divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
@@ -24,6 +27,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from tail_ray.compression.device import uses_triton
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import record_to_flat
 from tail_ray.compression.records import LayerRecord, QuantRecord
@@ -94,6 +98,23 @@ def mean_records_into(
         quant = [r for r in recs if isinstance(r, QuantRecord)]
         if len(quant) < len(recs):
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
+            continue
+        if uses_triton(g):
+            from tail_ray.compression import device_codec
+
+            fits = g.dtype == torch.float32 and g.is_contiguous()
+            dst = (
+                g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+            )
+            device_codec.mean_into(
+                [r.levels for r in quant],
+                [r.scales for r in quant],
+                [r.bits for r in quant],
+                [r.bucket_size for r in quant],
+                dst,
+            )
+            if not fits:
+                g.copy_(dst.view(g.shape))
             continue
         direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
         out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)

@@ -16,9 +16,31 @@ looks inside a payload or a record:
     c.state_dict() / c.load_state_dict(sd, residuals=...)
 
 ``grads`` maps parameter names to gradient tensors (views of a DDP bucket: writing them
-writes what DDP reads back). A collective other than all-gather drives the same calls per
-shard: ``compress`` any subset of layers, ``aggregate`` any number of payloads that each
-hold exactly the layers of ``into``.
+writes what DDP reads back).
+
+A collective other than all-gather (the sharded reduce-scatter + all-gather, the
+hierarchical exchange: tail_ray/collective/sharded.py) needs three more calls, available
+where ``shardable`` is True:
+
+    payloads = c.compress_shards(grads, shards, own_shard=k)   # one step, one payload per owner
+    c.aggregate(received, {name: flat[slice]}, own=rank)       # the owner: mean of its slices
+    c2 = c.second_stage()                                      # re-compresses the owner's mean
+    report = c.peer_report(names)                              # what the owner's aggregate measured
+    c.observe_reports([(names_j, report_j), ...])              # ... told to the other ranks
+
+A shard is a mapping ``{layer name: slice}`` of element ranges of the flat gradients;
+``compress_shards`` runs error feedback and the controller once per layer, on the whole
+layer, and cuts what it would have sent into one payload per shard, each layer's slice under
+the layer's own name. So a payload of shard k holds exactly the layers of
+``{name: flat(grads[name])[s] for name, s in shards[k].items()}``, which is what the owner of
+shard k passes as ``into`` to ``aggregate``: ``aggregate`` needs no new semantics, it averages
+any number of payloads that each hold exactly the layers of ``into`` at ``into``'s sizes.
+
+Only the owner of a shard sees every rank's version of it, so only its controller can measure
+the spread between workers there (Tail's SGD-noise estimate). ``peer_report`` packs what its
+latest ``aggregate`` measured (a few numbers per layer, small next to any payload) and the
+collective hands it to the other ranks, whose ``observe_reports`` take it in: every rank's
+controller then sees every layer's noise, as it would after an all-gather.
 """
 
 from __future__ import annotations
@@ -41,6 +63,9 @@ class Compressor(ABC):
     """
 
     name = "compressor"
+    # Whether compress_shards / second_stage are implemented (the sharded and the
+    # hierarchical collectives need them). A declared capability, never probed by attribute.
+    shardable = False
 
     def __init__(self) -> None:
         self._last_stats: list[LayerStats] = []
@@ -71,6 +96,51 @@ class Compressor(ABC):
         """
         mean_tensors_into([self.decompress(p) for p in payloads], into)
 
+    # --- sharded collectives (implemented where ``shardable``) --------------------------------
+    @property
+    def shard_alignment(self) -> int:
+        """Elements a slice boundary inside a layer must be a multiple of (a quantizer's bucket,
+        so that a slice holds whole buckets and cutting changes nothing that was sent)."""
+        return 1
+
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        """One step of compression of every layer of ``grads``, cut into one payload per shard.
+
+        ``shards[k]`` maps layer names to element ranges of their flat gradients (``slice(a, b)``
+        with step 1, ``a`` and every inner boundary a multiple of ``shard_alignment``); the
+        shards partition the layers' elements. Payload k holds each layer of ``shards[k]``
+        restricted to its slice, under the layer's name. Error feedback, the controller and
+        ``last_stats`` see each layer once, whole, exactly as ``compress`` would.
+        ``own_shard``: the shard this rank will ``aggregate`` itself; its payload then counts
+        as what ``compress`` returned for ``aggregate(own=...)``.
+        """
+        raise NotImplementedError(f"compressor {self.name!r} does not implement compress_shards")
+
+    def peer_report(self, names: Sequence[str]) -> bytes:
+        """What the latest ``aggregate`` measured about ``names`` (its ``into`` layers) that the
+        ranks which did not see those payloads need (a controller's noise estimate); empty
+        by default. Opaque bytes, read only by ``observe_reports`` of the same kind."""
+        return b""
+
+    def observe_reports(self, reports: Sequence[tuple[Sequence[str], bytes]]) -> None:
+        """Take in other ranks' ``peer_report(names)`` of this step, one per owner; a layer this
+        compressor measured itself this step keeps its own measurement. Nothing by default."""
+        return None  # a no-op by default
+
+    def second_stage(self) -> Compressor:
+        """A compressor for a collective's second stage: the owner of a shard re-compresses the
+        MEAN it aggregated. The same codec and settings; its own error feedback (what the
+        second stage drops is owed to the mean, not to any one worker's stream); and, where
+        there is a controller, an error budget taken relative to the SGD noise of the mean,
+        which this compressor's ``aggregate`` measures on the owner's shard."""
+        raise NotImplementedError(f"compressor {self.name!r} has no second stage")
+
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Add what error feedback still owes into ``grads`` (in place) and forget it: called
         for a step the collective sends uncompressed. No error feedback: nothing owed."""
@@ -88,3 +158,10 @@ class Compressor(ABC):
         """Restore ``state_dict()``; ``residuals=False`` (a resized job) starts error feedback
         from zero and keeps everything else."""
         return None  # a no-op by default
+
+    def residuals_of(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals inside ``state`` (a ``state_dict()`` of this kind of
+        compressor, possibly another rank's), flat, keyed by layer name; none by default.
+        On a resize the collective sums what every old rank's residuals owed the mean and
+        folds it into the new ranks' first gradients (see PayloadHookState.load_resized)."""
+        return {}

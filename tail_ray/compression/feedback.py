@@ -15,6 +15,11 @@ its own. Three ways to use it:
 ``norm_sq(name)`` is ||e||^2 of the residual carried into the next step (Tail's runaway guard
 and its noise accounting read it); a norm nobody measured is computed when first asked for.
 On resize/restart the residuals are per worker: see ``load_state_dict`` of the compressors.
+
+Where a residual lives follows its gradient: ``device_buffer(name, numel, device)`` hands out
+a float32 torch tensor on that device (the Triton backend's CUDA residual, rewritten in place
+by its kernel), ``buffer(name, numel)`` a numpy array; a residual asked for on the other side
+is moved there once (a checkpoint restored on the host, a backend switch).
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ import torch
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.grid import F32_MAX
 
+Residual = np.ndarray | torch.Tensor
+
+
+def _host(e: Residual) -> np.ndarray:
+    return e.detach().to("cpu").numpy() if isinstance(e, torch.Tensor) else e
+
 
 class ErrorFeedback:
     def __init__(self) -> None:
-        self._residuals: dict[str, np.ndarray] = {}
+        self._residuals: dict[str, Residual] = {}
         self._norms_sq: dict[str, float] = {}  # ||e||^2 where known; computed on demand otherwise
 
     def __contains__(self, name: str) -> bool:
@@ -40,13 +51,33 @@ class ErrorFeedback:
         return list(self._residuals)
 
     def buffer(self, name: str, numel: int) -> np.ndarray:
-        """The residual of ``name`` (zeros the first time, or when the layer's size changed)."""
+        """The residual of ``name`` as a host array (zeros the first time, or when the layer's
+        size changed)."""
         e = self._residuals.get(name)
+        if isinstance(e, torch.Tensor):
+            e = self._residuals[name] = _host(e)
         if e is None or e.size != numel:
             e = np.zeros(numel, dtype=np.float32)
             self._residuals[name] = e
             self._norms_sq[name] = 0.0
         return e
+
+    def device_buffer(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The residual of ``name`` as a float32 tensor on ``device`` (moved there once)."""
+        e = self._residuals.get(name)
+        if e is not None and (e.size if isinstance(e, np.ndarray) else e.numel()) != numel:
+            e = None
+        if e is None:
+            t = torch.zeros(numel, dtype=torch.float32, device=device)
+            self._norms_sq[name] = 0.0
+        elif isinstance(e, np.ndarray):
+            t = torch.from_numpy(e).to(device)
+        elif e.device != device:
+            t = e.to(device)
+        else:
+            return e
+        self._residuals[name] = t
+        return t
 
     def measured(self, name: str, norm_sq: float) -> None:
         """A fused kernel rewrote ``buffer(name, ...)`` and measured its ||e||^2 on the way."""
@@ -59,7 +90,7 @@ class ErrorFeedback:
             return 0.0
         known = self._norms_sq.get(name)
         if known is None:
-            known = self._norms_sq[name] = float(sum_squares(e))
+            known = self._norms_sq[name] = float(sum_squares(_host(e)))
         return known
 
     def compensate(self, name: str, grad: np.ndarray) -> np.ndarray:
@@ -90,8 +121,9 @@ class ErrorFeedback:
         for name, g in grads.items():
             e = self._residuals.pop(name, None)
             self._norms_sq.pop(name, None)
-            if e is not None and e.size == g.numel():
-                flat = g.view(-1).add_(torch.from_numpy(e).to(device=g.device, dtype=g.dtype))
+            if e is not None and (e.size if isinstance(e, np.ndarray) else e.numel()) == g.numel():
+                et = torch.from_numpy(e) if isinstance(e, np.ndarray) else e
+                flat = g.view(-1).add_(et.to(device=g.device, dtype=g.dtype))
                 if flat.is_floating_point():  # saturate: a huge finite g + e must not become inf
                     big = torch.finfo(flat.dtype).max
                     flat.clamp_(-big, big)
@@ -107,7 +139,7 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The residuals as CPU tensors (copies), keyed by layer name: a compressor's
         ``state_dict()["residuals"]``."""
-        return {name: torch.from_numpy(e.copy()) for name, e in self._residuals.items()}
+        return {name: torch.from_numpy(_host(e).copy()) for name, e in self._residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor | np.ndarray]) -> None:
         """Restore ``state_dict()`` (tensors or arrays); norms are measured again."""

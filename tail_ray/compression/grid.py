@@ -14,7 +14,7 @@ divided by R in float64, then rounded to float32:
 
 These are the only definitions. The numba kernels (``quantize.dequantize``, the fused
 decode-average ``quantize.mean_dequantized_into``, the controller's sampled view
-``layers.sample_stack``, the quantizer's error-feedback residual x - value) compute exactly
+``record_tensors.sample_stack``, the quantizer's error-feedback residual x - value) compute exactly
 these operations, none of them compiled with fastmath, so LLVM may neither reassociate nor
 contract them and the bits are the same on every CPU (AVX-512, AVX2, plain x86-64, aarch64);
 tests/compression/test_grid.py checks each kernel against the numpy functions below, also

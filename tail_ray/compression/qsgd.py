@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import layer_seed
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
@@ -47,6 +48,7 @@ class QSGDConfig:
 
 class QSGDCompressor(RecordCompressor):
     name = "qsgd"
+    device_backend = True  # CUDA gradients: the Triton kernels (see RecordCompressor)
 
     def __init__(self, config: QSGDConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else QSGDConfig()
@@ -57,11 +59,16 @@ class QSGDCompressor(RecordCompressor):
         self._rng = np.random.default_rng(self._seed)
         self._calls = 0
 
+    @property
+    def shard_alignment(self) -> int:
+        """Slices are cut between quantizer buckets."""
+        return self.config.bucket_size
+
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
         self._calls += 1
 
-    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
-        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+    def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
+        residual = self.residual_of(name, g)
         rel_error = float(
             relative_errors(
                 g,

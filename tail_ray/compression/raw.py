@@ -6,7 +6,7 @@ It implements only ``compress`` and ``decompress``: everything else is the contr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ class RawCompressor(Compressor):
     """Raw fp32: exact, the accuracy baseline of the all-gather path."""
 
     name = "none"
+    shardable = True  # stateless: a shard is compressed like any subset of layers
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         records = [
@@ -36,3 +37,36 @@ class RawCompressor(Compressor):
 
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:
         return records_to_flat(decode_payload(payload))
+
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        flat = {name: t.detach().reshape(-1) for name, t in grads.items()}
+        payloads, stats = [], []
+        for shard in shards:
+            payloads.append(self.compress({name: flat[name][part] for name, part in shard.items()}))
+            stats.extend(self._last_stats)
+        by_layer: dict[str, list[LayerStats]] = {}
+        for st in stats:
+            by_layer.setdefault(st.layer, []).append(st)
+        self._last_stats = [
+            LayerStats(
+                name,
+                flat[name].numel(),
+                32,
+                1.0,
+                4 * flat[name].numel(),
+                sum(s.encoded_bytes for s in parts),
+                0.0,
+                parts[0].code,
+            )
+            for name, parts in by_layer.items()
+        ]
+        return payloads
+
+    def second_stage(self) -> RawCompressor:
+        return RawCompressor()

@@ -12,15 +12,31 @@ then encodes the records into one payload with per-layer stats. It keeps the rec
 latest call, so ``aggregate`` takes this rank's own entry from them instead of entropy-decoding
 its own payload (the coding is lossless, so this is bit-identical).
 
+Two backends, chosen per layer from the gradient tensor (``device.uses_triton``): CUDA
+gradients of a compressor that supports it (``device_backend``: qsgd and tail) are handed to
+``compress_layer`` as a ``DeviceFlat`` and quantized by the Triton kernels where they are
+(device_codec.py), everything else as a numpy array to the numba kernels. Both give the same
+records (levels on one grid, float32 scales), so the wire, the payload and the receivers do
+not know which backend made them.
+
 Residuals live in an injected ``ErrorFeedback`` (None: error feedback off), which also owns
 their norms; ``fold_residuals`` and ``state_dict`` / ``load_state_dict`` of the residuals are
 defined here once. Subclasses add hooks where they need them: ``begin_call`` (counters
 before a call's layers), ``observe_peers`` (a controller's view of every rank's records) and
 ``state_dict`` / ``load_state_dict`` extensions.
+
+Sharded collectives (``compress_shards``): the layers are compressed exactly as by
+``compress`` (one step of error feedback and of the controller per layer, on the whole layer),
+then each record is cut into the shards' slices (``records.slice_record``: between quantizer
+buckets, so the levels and scales sent are the same) and every shard is encoded into its own
+payload. ``second_stage`` is a fresh instance of the same class from the same settings (the
+seed salted, so its rounding is independent of the first stage's), with its own residuals.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from abc import abstractmethod
@@ -33,15 +49,19 @@ import torch
 
 from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
+from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord, slice_record
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# Salt of a spawned compressor's seed: its stochastic rounding must not replay its parent's.
+_SPAWN_SEED_SALT = 0x9E3779B9
 
 # Warn about non-finite layers at most this many times per process: a diverging run would
 # otherwise flood the log every step.
@@ -68,6 +88,19 @@ class CompressedLayer:
     record: LayerRecord
     rel_error: float = 0.0
     nnz: int | None = None
+
+
+@functools.cache
+def _warn_big_bucket(bucket_size: int) -> None:
+    log.warning(
+        "bucket_size %d is above the Triton quantizer's %d: CUDA layers are quantized on the host",
+        bucket_size,
+        MAX_DEVICE_BUCKET,
+    )
+
+
+def _host(g: LayerArray) -> np.ndarray:
+    return g.host() if isinstance(g, DeviceFlat) else g
 
 
 def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int | None = None) -> LayerStats:
@@ -109,6 +142,20 @@ def encode_with_stats(layers: Sequence[CompressedLayer]) -> tuple[bytes, list[La
     return payload, stats
 
 
+def sliced_layer_stats(layer: CompressedLayer, slices: Sequence[EncodedLayer]) -> LayerStats:
+    """One layer's stats when it was sent as slices (a sharded collective): the whole layer's
+    bits, error and density (the slices' non-zeros together), the bytes of all its slices, and
+    the code that carried most."""
+    biggest = max(slices, key=lambda c: c.encoded_bytes)
+    cost = EncodedLayer(
+        layer.record.name,
+        sum(c.encoded_bytes for c in slices),
+        biggest.code,
+        sum(c.nnz for c in slices),
+    )
+    return layer_stats(layer.record, cost, layer.rel_error, layer.nnz)
+
+
 class RecordSettings(Protocol):
     """What the template reads from a record compressor's settings (QSGDConfig, TopKConfig,
     TailConfig): the raw policy's threshold and whether error feedback is on."""
@@ -124,12 +171,17 @@ class RecordCompressor(Compressor):
     """Base of QSGDCompressor, TopKCompressor and TailCompressor; see the module docstring."""
 
     name = "record"
+    shardable = True
+    # Whether CUDA gradients may go to the Triton backend (the subclass's compress_layer then
+    # works on a DeviceFlat through the dispatching helpers below).
+    device_backend = False
 
     def __init__(self, settings: RecordSettings, *, feedback: ErrorFeedback | None = None) -> None:
         """``feedback``: the error-feedback memory to run with (injected, e.g. one kept on another
         device or shared with a second stage); a fresh one when None; none at all when
         ``settings.error_feedback`` is off."""
         super().__init__()
+        self.settings = settings
         self.raw_below_numel = int(settings.raw_below_numel)
         if not settings.error_feedback and feedback is not None:
             raise ConfigError(f"{self.name}: an error-feedback memory was given but error_feedback is false")
@@ -145,18 +197,73 @@ class RecordCompressor(Compressor):
         self._own_records = [layer.record for layer in layers]
         return payload
 
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        layers = {layer.record.name: layer for layer in self.compress_records(grads)}
+        payloads: list[bytes] = []
+        slice_costs: dict[str, list[EncodedLayer]] = {name: [] for name in layers}
+        own: list[LayerRecord] | None = None
+        for k, shard in enumerate(shards):
+            cut = []
+            for name, part in shard.items():
+                record = layers[name].record
+                start, stop, _ = part.indices(record.numel)
+                cut.append(slice_record(record, start, stop))
+            payload, costs = encode_payload(cut)
+            for cost in costs:
+                slice_costs[cost.name].append(cost)
+            payloads.append(payload)
+            if k == own_shard:
+                own = cut
+        self._last_stats = [
+            sliced_layer_stats(layer, slice_costs[name])
+            for name, layer in layers.items()
+            if slice_costs[name]
+        ]
+        self._own_records = own
+        return payloads
+
+    def second_stage(self) -> RecordCompressor:
+        return self.spawn()
+
+    def spawn(self) -> RecordCompressor:
+        """A fresh instance from the same settings (a set seed salted: independent rounding)."""
+        # Settings are frozen dataclasses (the registry builds them); a set seed is salted.
+        values = dataclasses.asdict(self.settings)  # type: ignore[call-overload]
+        settings = self.settings
+        if values.get("seed") is not None:
+            seed = (int(values["seed"]) * _SPAWN_SEED_SALT + 1) & 0xFFFF_FFFF
+            settings = dataclasses.replace(settings, seed=seed)  # type: ignore[type-var]
+        return type(self)(settings)
+
     def compress_records(self, grads: Mapping[str, torch.Tensor]) -> list[CompressedLayer]:
         """The engine's part of ``compress``: everything but the wire's encoding."""
         self.begin_call(grads)
-        return [self._compress_one(name, as_flat_f32(t)) for name, t in grads.items()]
+        return [self._compress_one(name, self._layer_array(t)) for name, t in grads.items()]
 
-    def _compress_one(self, name: str, g: np.ndarray) -> CompressedLayer:
+    def _layer_array(self, t: torch.Tensor) -> LayerArray:
+        """The backend's view of one gradient: a DeviceFlat for the Triton path, else numpy."""
+        if self.device_backend and t.numel() >= max(self.raw_below_numel, 1) and uses_triton(t):
+            return device_flat(t)
+        return as_flat_f32(t)
+
+    def _compress_one(self, name: str, g: LayerArray) -> CompressedLayer:
         if g.size < max(self.raw_below_numel, 1):
-            return CompressedLayer(RawRecord(name, g))
-        sum_sq = float(sum_squares(g))
+            return CompressedLayer(RawRecord(name, _host(g)))
+        if isinstance(g, DeviceFlat):
+            from tail_ray.compression import device_codec
+
+            sum_sq = device_codec.sum_squares(g)
+        else:
+            sum_sq = float(sum_squares(g))
         if not math.isfinite(sum_sq):
             warn_nonfinite(name)
-            return CompressedLayer(RawRecord(name, g))
+            return CompressedLayer(RawRecord(name, _host(g)))
         return self.compress_layer(name, g, sum_sq)
 
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -164,18 +271,40 @@ class RecordCompressor(Compressor):
         return None  # a no-op by default
 
     @abstractmethod
-    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
+    def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         """The subclass's code for one finite layer of at least ``raw_below_numel`` elements:
-        ``g`` is its flat float32 gradient (read-only), ``sum_sq`` its sum of squares."""
+        ``g`` is its flat float32 gradient (read-only; a DeviceFlat only when the class sets
+        ``device_backend``), ``sum_sq`` its sum of squares."""
+
+    def residual_of(self, name: str, g: LayerArray) -> np.ndarray | torch.Tensor | None:
+        """The layer's error-feedback residual where ``g`` lives (None: error feedback off)."""
+        if self.feedback is None:
+            return None
+        if isinstance(g, DeviceFlat):
+            return self.feedback.device_buffer(name, g.size, g.tensor.device)
+        return self.feedback.buffer(name, g.size)
 
     def quantize_layer(
-        self, name: str, g: np.ndarray, bits: int, bucket_size: int, seed: int
+        self, name: str, g: LayerArray, bits: int, bucket_size: int, seed: int
     ) -> tuple[QuantRecord, int]:
         """Stochastic quantization of g + e in one fused pass (Tail's and qsgd's kernel), which
         also writes the new residual and its norm; returns the record and its non-zero levels."""
+        if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
+            _warn_big_bucket(bucket_size)
+            g = g.host()  # and its residual moves to the host with it (residual_of below)
+        if isinstance(g, DeviceFlat):
+            from tail_ray.compression import device_codec
+
+            res = self.residual_of(name, g)
+            assert res is None or isinstance(res, torch.Tensor)
+            out = device_codec.quantize(g, res, bits, bucket_size, seed)
+            if self.feedback is not None:
+                self.feedback.measured(name, out.err_sq)
+            return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz
         levels = np.empty(g.size, dtype=np.int8)
         scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
-        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        residual = self.residual_of(name, g)
+        assert residual is None or isinstance(residual, np.ndarray)
         nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
         if self.feedback is not None:
             self.feedback.measured(name, err_sq)
@@ -220,6 +349,9 @@ class RecordCompressor(Compressor):
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:
         if self.feedback is not None:
             self.feedback.fold_into(grads)
+
+    def residuals_of(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {str(name): torch.as_tensor(e).reshape(-1) for name, e in dict(state["residuals"]).items()}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"residuals": {name: tensor}}``; subclasses add their own keys."""

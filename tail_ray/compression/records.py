@@ -13,7 +13,7 @@ is the wire's tag (``Kind``), ``numel`` the layer's element count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import ClassVar
 
@@ -77,3 +77,32 @@ class SparseRecord:
 
 
 LayerRecord = QuantRecord | RawRecord | SparseRecord
+
+
+def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
+    """Elements [start, stop) of a record, as a record of the same kind under the same name
+    (views, no copies): what a sharded collective sends one slice's owner. A quantized record
+    is cut between its buckets, so ``start`` must be a multiple of its bucket size; levels and
+    scales are then exactly what the whole record holds there."""
+    if not 0 <= start <= stop <= rec.numel:
+        raise ValueError(f"slice [{start}, {stop}) outside layer {rec.name!r} of {rec.numel} elements")
+    if start == 0 and stop == rec.numel:
+        return rec
+    match rec:
+        case QuantRecord():
+            if start % rec.bucket_size:
+                raise ValueError(
+                    f"slice of layer {rec.name!r} starts at {start}, inside a bucket of {rec.bucket_size}"
+                )
+            first = start // rec.bucket_size
+            n_buckets = -(-(stop - start) // rec.bucket_size)
+            return replace(
+                rec, levels=rec.levels.reshape(-1)[start:stop], scales=rec.scales[first : first + n_buckets]
+            )
+        case RawRecord():
+            return replace(rec, values=rec.values.reshape(-1)[start:stop])
+        case SparseRecord():
+            lo, hi = np.searchsorted(rec.indices, [start, stop])
+            return replace(
+                rec, numel=stop - start, indices=rec.indices[lo:hi] - start, values=rec.values[lo:hi]
+            )

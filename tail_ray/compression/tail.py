@@ -27,6 +27,7 @@ import torch
 
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import layer_seed
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
@@ -144,6 +145,7 @@ class TailCompressor(RecordCompressor):
     """Tail: see the module docstring. Stateful (residuals, controller); decoding is stateless."""
 
     name = "tail"
+    device_backend = True  # CUDA gradients: the Triton kernels (see RecordCompressor)
 
     def __init__(self, config: TailConfig | None = None, *, feedback: ErrorFeedback | None = None) -> None:
         self.config = config if config is not None else TailConfig()
@@ -163,21 +165,33 @@ class TailCompressor(RecordCompressor):
         # number of compressed steps (steps the link-aware switch sent plain are not counted).
         self._layer_steps: dict[str, int] = {}
         self._compression_sq: dict[str, float] = {}  # latest compression noise per element
+        # Budgets of the second stages made from this compressor (second_stage): they are told
+        # the SGD noise of the MEAN, measured here on the shard this rank owns.
+        self._mean_budgets: list[BudgetPolicy] = []
+        # What observe_peers measured since the last compress (spread, compression, grad_sq,
+        # numel per layer): reported to the ranks that did not see those payloads.
+        self._measured: dict[str, tuple[float, float, float, float]] = {}
 
     @property
     def step(self) -> int:
         """Steps seen so far (the most calls any layer has had)."""
         return max(self._layer_steps.values(), default=0)
 
+    @property
+    def shard_alignment(self) -> int:
+        """Slices are cut between quantizer buckets."""
+        return self.config.bucket_size
+
     # --- sending -------------------------------------------------------------------------
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
+        self._measured.clear()  # a new step of these layers: measurements start afresh
         for name in grads:  # every layer counts, raw ones too
             self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
 
-    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
+    def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         cfg = self.config
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
-        residual = self.feedback.buffer(name, g.size) if self.feedback is not None else None
+        residual = self.residual_of(name, g)
         # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
         # the runaway guard and for observe_peers' account of what compression put into
         # the decoded gradients.
@@ -196,6 +210,16 @@ class TailCompressor(RecordCompressor):
         record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed)
         return CompressedLayer(record, plan.rel_error, nnz)
 
+    def second_stage(self) -> TailCompressor:
+        """A Tail compressor for the mean an owner re-compresses, with its own residuals and a
+        budget relative to the mean's own SGD noise: the mean of W workers has 1/W of one
+        worker's SGD noise, so its second-stage error is held to ``noise_fraction`` of that
+        (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
+        stage = self.spawn()
+        assert isinstance(stage, TailCompressor)
+        self._mean_budgets.append(stage.controller.policy)
+        return stage
+
     # --- signals from the collective / trainer ---------------------------------------------
     def set_lr(self, lr: float) -> None:
         """Called each step before backward; an lr drop or rise tightens the budget."""
@@ -213,7 +237,6 @@ class TailCompressor(RecordCompressor):
         world = len(records_by_rank)
         if world < 2:
             return
-        policy = self.controller.policy
         for name, first in records_by_rank[0].items():
             if first.numel < max(self.config.raw_below_numel, 1):
                 continue
@@ -232,7 +255,50 @@ class TailCompressor(RecordCompressor):
             # The gradient power from all workers (decoded minus compression), not just this
             # one's: late in training single misclassified samples make one worker's gradient
             # 1000x another's for a step.
-            policy.observe_spread(name, spread, compression, mean_sq - compression)
+            self._observe(name, spread, compression, mean_sq - compression)
+            self._measured[name] = (spread, compression, mean_sq - compression, float(first.numel))
+            if self._mean_budgets:
+                # The second stage compresses the mean m of these W decoded gradients. Its SGD
+                # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
+                # compression noise the mean still carries (compression / W).
+                mean_row = stack.mean(dim=0)
+                m_sq = float(mean_row.pow(2).sum()) / n_sample
+                sgd = max(0.0, spread - compression) / world
+                for budget in self._mean_budgets:
+                    budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)
+
+    def _observe(self, name: str, spread: float, compression: float, grad_sq: float) -> None:
+        self.controller.policy.observe_spread(name, spread, compression, grad_sq)
+
+    def peer_report(self, names: Sequence[str]) -> bytes:
+        """(spread, compression, grad_sq, numel) per name as float64, NaN where unmeasured."""
+        nan = (math.nan,) * 4
+        values = [v for name in names for v in self._measured.get(name, nan)]
+        return np.asarray(values, dtype="<f8").tobytes()
+
+    def observe_reports(self, reports: Sequence[tuple[Sequence[str], bytes]]) -> None:
+        """Other owners' measurements: for each layer this rank did not measure itself, one
+        observation, the numel-weighted mean of the slices reported (several owners may hold
+        slices of one layer), so the running average moves once per step as after an
+        all-gather. A report of the wrong size is ignored (it only informs the budget)."""
+        merged: dict[str, list[float]] = {}
+        for names, blob in reports:
+            if len(blob) != 32 * len(names):
+                log.warning("peer report of %d bytes for %d layers: ignored", len(blob), len(names))
+                continue
+            values = np.frombuffer(blob, dtype="<f8")
+            for name, (spread, compression, grad_sq, numel) in zip(names, values.reshape(-1, 4), strict=True):
+                if name in self._measured or not all(
+                    math.isfinite(v) for v in (spread, compression, grad_sq)
+                ):
+                    continue
+                acc = merged.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+                for i, v in enumerate((spread, compression, grad_sq)):
+                    acc[i] += float(v) * float(numel)
+                acc[3] += float(numel)
+        for name, (spread, compression, grad_sq, weight) in merged.items():
+            if weight > 0:
+                self._observe(name, spread / weight, compression / weight, grad_sq / weight)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

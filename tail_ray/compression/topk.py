@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.records import SparseRecord
@@ -41,7 +42,9 @@ class TopKCompressor(RecordCompressor):
         super().__init__(self.config, feedback=feedback)
         self.density = self.config.density
 
-    def compress_layer(self, name: str, g: np.ndarray, sum_sq: float) -> CompressedLayer:
+    def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
+        # device_backend is off: the template always hands top-k a host array.
+        assert isinstance(g, np.ndarray)
         x = self.feedback.compensate(name, g) if self.feedback is not None else g.copy()
         k = max(1, round(self.density * x.size))
         idx = np.argpartition(np.abs(x), x.size - k)[x.size - k :]

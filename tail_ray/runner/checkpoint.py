@@ -11,13 +11,17 @@ into one):
 
 Restore: every rank loads ``train_state.pt``. When the world size is unchanged, rank r
 loads ``rank{r}.pt`` and resumes exactly. When it changed (an elastic resize or a restart
-on fewer/more workers), rank-specific state has no meaning any more: every rank takes
-rank 0's hook state with its error-feedback residuals dropped
-(``load_state_dict(..., residuals=False)``; the controller's per-layer state is kept) and
-reseeds its RNG from (seed, step, rank). Dropping residuals loses at most one step's worth
-of compression error per layer, which error feedback would otherwise have re-sent;
-averaging or re-sharding them across a different set of ranks has no sound meaning,
-because each residual belongs to the gradient stream one worker saw.
+on fewer/more workers), rank-specific state has no meaning any more: every rank reads the
+hook state of EVERY old rank and calls ``hook.load_resized(states)``. The controller's
+per-layer state comes from rank 0's. Error-feedback residuals cannot be handed to new ranks
+as they are (each belongs to the gradient stream one old worker saw, or, for a sharded
+collective's second stage, to one old owner's slice of the mean), but what they owed the
+old job's MEAN can be: each residual weighted by its share of that mean (1/W for a worker's
+own stream, 1 for a second stage) and placed at its slice, summed over the old ranks. Every
+new rank adds that sum to the first gradient it sends, so the new mean gets it exactly once,
+whatever the new world size or collective (PayloadHookState.load_resized). Each rank also
+reseeds its RNG from (seed, step, rank). If an old rank's file is missing, nothing is
+carried (a partial sum would be wrong) and the residuals are dropped, as before.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class HookStateLike(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], *, residuals: bool = True) -> None: ...
+
+    def load_resized(self, states: list[dict[str, Any]]) -> None: ...
 
 
 @dataclass
@@ -146,15 +152,23 @@ def load_checkpoint(
         set_rng_state(rank_state["rng"])
     else:
         seed_everything(seed, step, rank)
+    how = "exact"
     if hook is not None and rank_state.get("hook") is not None:
-        hook.load_state_dict(rank_state["hook"], residuals=exact)
-    logger.info(
-        "restored step %d (saved by %d workers, now %d; %s)",
-        step,
-        saved_world_size,
-        world_size,
-        "exact" if exact else "residuals dropped, RNG reseeded",
-    )
+        if exact:
+            hook.load_state_dict(rank_state["hook"], residuals=True)
+        else:
+            old = [directory / rank_file(r) for r in range(saved_world_size)]
+            if all(path.exists() for path in old):
+                hook.load_resized([_load(path)["hook"] for path in old])
+                how = "what the old residuals owed the mean carried, RNG reseeded"
+            else:
+                missing = [path.name for path in old if not path.exists()]
+                logger.warning("checkpoint lacks %s: error-feedback residuals dropped", missing)
+                hook.load_state_dict(rank_state["hook"], residuals=False)
+                how = "residuals dropped, RNG reseeded"
+    elif not exact:
+        how = "RNG reseeded"
+    logger.info("restored step %d (saved by %d workers, now %d; %s)", step, saved_world_size, world_size, how)
     return Restored(step, saved_world_size, exact, dict(train_state.get("totals", {})))
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tail_ray.collective import make_hook_state, method_spec, register_tail_hook
+from tail_ray.collective.topology import NodeLayout
 from tail_ray.errors import ConfigError
 from tail_ray.methods import Method
 from tail_ray.train.ids import resolve_job_id
@@ -65,6 +66,21 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _node_layout() -> NodeLayout | None:
+    """Which workers share this worker's node, as Ray Train placed them (never guessed from
+    ranks); None outside Ray Train, where register_tail_hook reads torchrun's variables."""
+    if not in_ray_train_worker():
+        return None
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return NodeLayout(
+        node_rank=ctx.get_node_rank(),
+        local_rank=ctx.get_local_rank(),
+        local_world_size=ctx.get_local_world_size(),
+    )
 
 
 def _wrap(model: nn.Module, ddp_kwargs: dict[str, Any]) -> tuple[nn.Module, int, int]:
@@ -119,7 +135,9 @@ def prepare_model(
     prepared, rank, world_size = _wrap(model, dict(ddp_kwargs))
     settings = compression_settings(spec.method.value, config, seed=seed, rank=rank)
     if isinstance(prepared, nn.parallel.DistributedDataParallel):
-        state = register_tail_hook(prepared, spec.method, settings, ddp_kwargs.get("process_group"))
+        state = register_tail_hook(
+            prepared, spec.method, settings, ddp_kwargs.get("process_group"), layout=_node_layout()
+        )
         local = False
     else:
         state = make_hook_state(prepared, spec.method, settings)

@@ -27,7 +27,7 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.train.writers import CLOSE_TIMEOUT_S, MetricsWriter
 
 logger = logging.getLogger(__name__)
+
+STAGE_TWO_SUFFIX = "@stage2"  # layer name suffix of a sharded collective's second-stage records
 
 SESSION_STATE_VERSION = 1
 
@@ -103,8 +105,11 @@ def step_records(
     step_s: float,
     loss: float,
 ) -> list[dict[str, Any]]:
-    """The records one rank sends for one step: one per layer, then the step record."""
-    out = [LayerMetric.from_stats(s, job_id=job_id, step=step, rank=rank).to_dict() for s in m.layers]
+    """The records one rank sends for one step: one per layer, then one per layer slice this
+    rank re-compressed as a sharded collective's owner (its second stage: layer
+    "<name>@stage2", so the dashboard shows both stages' bits and error), then the step record."""
+    layers = [*m.layers, *(replace(s, layer=f"{s.layer}{STAGE_TWO_SUFFIX}") for s in m.stage_two)]
+    out = [LayerMetric.from_stats(s, job_id=job_id, step=step, rank=rank).to_dict() for s in layers]
     out.append(
         StepMetric(
             job_id=job_id,

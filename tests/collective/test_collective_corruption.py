@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from corruption_steps import steps_until_error
 from torch import nn
 from torch.multiprocessing.spawn import ProcessExitedException
 
@@ -76,27 +77,9 @@ def _worker(rank: int, world_size: int, out_dir, mode: str) -> None:
     wrapper = CorruptingCompressor(state.compressor, mode) if rank == 1 else None
     if wrapper is not None:
         state.compressor = wrapper
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    outcome: dict[str, Any] = {"ok_steps": 0}
-    for step in range(3):
-        if wrapper is not None:
-            wrapper.armed = step >= CORRUPT_FROM_STEP
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, IN_FEATURES, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        t0 = time.perf_counter()
-        try:
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        except Exception as exc:
-            chain, e = [], exc
-            while e is not None:
-                chain.append(f"{type(e).__name__}: {e}")
-                e = e.__cause__ or e.__context__
-            outcome.update(failed_step=step, failed_after_s=time.perf_counter() - t0, chain=chain)
-            break
-        outcome["ok_steps"] += 1
-    torch.save(outcome, out_dir / f"rank{rank}.pt")
+    steps_until_error(
+        ddp, rank, out_dir, in_features=IN_FEATURES, corrupt_from_step=CORRUPT_FROM_STEP, wrapper=wrapper
+    )
     # Return: the launcher destroys the group and the process exits, as a crashed worker's would.
 
 

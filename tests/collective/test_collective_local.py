@@ -213,7 +213,10 @@ def test_version_1_checkpoints_still_load(method):
 def test_each_family_checkpoints_only_its_own_keys():
     common = {"version", "method", "local_step"}
     assert set(make_hook_state(_model(), "fp16").state_dict()) == common
-    assert set(make_hook_state(_model(), "qsgd").state_dict()) == common | {"compressor"}
+    # payload methods: their compressor, and the collective's (its own compressors, and what
+    # each compressor's residuals owe the mean, for a resize)
+    payload = {"compressor", "world_size", "collective", "stages", "owed"}
+    assert set(make_hook_state(_model(), "qsgd").state_dict()) == common | payload
     powersgd = {"powersgd_iter", "local_powersgd_error", "local_powersgd_q"}
     assert set(make_hook_state(_model(), "powersgd").state_dict()) == common | powersgd
 

@@ -144,7 +144,46 @@ def digests() -> dict[str, str]:
         decoded_bits += [t.numpy() for t in TailCompressor().decompress(payload).values()]
     out["tail_payloads"] = _digest(payloads)
     out["tail_decoded"] = _digest(decoded_bits)
+    out["sharded"] = _digest(_sharded_steps())
     return out
+
+
+def _sharded_steps() -> list[np.ndarray | bytes | float | int]:
+    """The sharded collective's arithmetic on one owner: 3 ranks cut each step into 3 shards
+    (compress_shards), the owner of shard 1 averages the 3 slices it gets (aggregate, which
+    also feeds its controller and its second stage's budget) and re-compresses the mean with
+    its second stage; then every rank decodes that compressed mean."""
+    ranks = [TailCompressor(TailConfig(seed=10 + r)) for r in range(3)]
+    stage_two = ranks[1].second_stage()
+    shards = [
+        {"w": slice(0, 16_384)},
+        {"w": slice(16_384, 50_000), "bias": slice(0, 64)},
+        {"huge": slice(0, 20_000)},
+    ]
+    rng = np.random.default_rng(6)
+    common = (rng.standard_normal(50_000) * 1e-2).astype(np.float32)
+    parts: list[np.ndarray | bytes | float | int] = []
+    for _ in range(3):
+        sliced = [
+            comp.compress_shards(
+                {
+                    "huge": torch.from_numpy(_gradient(20_000, 7 + r)),
+                    "w": torch.from_numpy(common + (rng.standard_normal(50_000) * 1e-2).astype(np.float32)),
+                    "bias": torch.from_numpy(rng.standard_normal(64).astype(np.float32)),
+                },
+                shards,
+                own_shard=1,
+            )
+            for r, comp in enumerate(ranks)
+        ]
+        mean = {"w": torch.zeros(50_000 - 16_384), "bias": torch.zeros(64)}
+        ranks[1].aggregate([payloads[1] for payloads in sliced], mean, own=1)
+        summed = stage_two.compress(mean)
+        into = {name: torch.zeros_like(t) for name, t in mean.items()}
+        ranks[0].aggregate([summed], into)
+        parts += [p for payloads in sliced for p in payloads]
+        parts += [t.numpy() for t in mean.values()] + [summed] + [t.numpy() for t in into.values()]
+    return parts
 
 
 if __name__ == "__main__":

@@ -85,3 +85,27 @@ def test_a_compressor_runs_on_the_memory_it_is_given():
     assert QSGDCompressor(QSGDConfig(error_feedback=False)).feedback is None
     with pytest.raises(ConfigError, match="error_feedback is false"):
         QSGDCompressor(QSGDConfig(error_feedback=False), feedback=mem)
+
+
+def test_a_residual_lives_where_its_gradient_does():
+    """The device backend's residuals are tensors on the gradient's device: handed out there,
+    moved once when asked for on the other side, checkpointed and folded as host ones are."""
+    import torch
+
+    mem = ErrorFeedback()
+    dev = torch.device("cpu")  # the same code path as CUDA, minus the copy
+    e = mem.device_buffer("w", 4, dev)
+    assert isinstance(e, torch.Tensor) and e.device == dev and mem.norm_sq("w") == 0.0
+    assert mem.device_buffer("w", 4, dev) is e  # the same buffer, rewritten in place by a kernel
+    e.copy_(torch.tensor([1.0, -2.0, 0.0, 2.0]))
+    mem.measured("w", 9.0)
+    assert torch.equal(mem.state_dict()["w"], torch.tensor([1.0, -2.0, 0.0, 2.0]))
+    host = mem.buffer("w", 4)  # asked for on the host: moved there, values kept
+    assert isinstance(host, np.ndarray) and host.tolist() == [1.0, -2.0, 0.0, 2.0]
+    back = mem.device_buffer("w", 4, dev)
+    assert back.tolist() == [1.0, -2.0, 0.0, 2.0]
+    assert mem.device_buffer("w", 5, dev).tolist() == [0.0] * 5  # resized layer: fresh zeros
+    g = torch.ones(5)
+    mem.device_buffer("w", 5, dev).fill_(0.5)
+    mem.fold_into({"w": g})
+    assert g.tolist() == [1.5] * 5 and mem.names() == []

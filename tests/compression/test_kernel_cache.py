@@ -94,7 +94,12 @@ def _kernels() -> list[tuple[str, CPUDispatcher]]:
     for info in pkgutil.walk_packages(tail_ray.__path__, "tail_ray."):
         if info.name.startswith(("tail_ray.runner", "tail_ray.metrics", "tail_ray.collective")):
             continue  # Ray / torch.distributed side: no kernels there
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as e:
+            if e.name == "triton":  # the gpu extra's Triton modules hold no numba kernels
+                continue
+            raise
         for name, obj in vars(module).items():
             own = isinstance(obj, CPUDispatcher) and obj.__module__ == info.name
             if own and obj.targetoptions.get("inline") != "always":

@@ -2,11 +2,12 @@
 server of a Ray head that runs with token auth the way the RayCluster's pods do.
 
 The Deployment's env is taken from the manifest; only the head Service's host and ports are
-mapped to a local head started here (`ray start --head --block`, explicit ports, stopped by its
-pid). HOME points at an empty directory, so, as in a pod, the only token the service process
-has is the one the Secret puts in its environment. The service's own Settings and RayGateway
-must then list, on the job server, a job submitted with the RayJob's entrypoint; with a wrong
-token they must fail with a clear error that does not echo the token.
+mapped to a local head started here by service/ray_head.py (`ray start --head --block`,
+explicit ports, stopped by its process group). HOME points at an empty directory, so, as in a
+pod, the only token the service process has is the one the Secret puts in its environment. The
+service's own Settings and RayGateway must then list, on the job server, a job submitted with
+the RayJob's entrypoint; with a wrong token they must fail with a clear error that does not
+echo the token.
 
 Not automated: joining through Ray Client (TAIL_RAY_RAY_ADDRESS=ray://...:10001) and reading a
 sink. It worked here with this same setup in 17 of 21 connects; in 4, under heavy load on this
@@ -21,10 +22,8 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import httpx
 import pytest
 from deploy_support import REPO, ports_of, ray_cluster, ray_job, service_deployment
 
-from service.ray_head import free_port  # a band outside the ephemeral and Ray worker ranges
+from service.ray_head import LocalRayHead, short_temp_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -52,67 +51,33 @@ class LocalHead:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
     token = secrets.token_hex(32)
-    ports = {"gcs-server": free_port(), "dashboard": free_port(), "client": free_port()}
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",  # as in every Ray container of the RayCluster
-        "RAY_AUTH_TOKEN": token,
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-    }
-    workdir = tmp_path_factory.mktemp("ray-head")
-    log = (workdir / "head.log").open("wb")
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-    proc = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={ports['gcs-server']}",
-            f"--dashboard-port={ports['dashboard']}",
-            "--dashboard-host=127.0.0.1",
-            f"--ray-client-server-port={ports['client']}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            "--num-cpus=1",
-            "--include-dashboard=true",
-            "--disable-usage-stats",
-        ],
-        env=env,
-        cwd=workdir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    temp = short_temp_dir()
+    # The project's one launcher, given the token the way the RayCluster's pods get it: in the
+    # environment (RAY_AUTH_TOKEN), not in a file.
+    node = LocalRayHead(
+        num_cpus=1,
+        log_path=tmp_path_factory.mktemp("ray-head") / "head.log",
+        temp_dir=temp,
+        env={"RAY_AUTH_TOKEN": token},
     )
     try:
-        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"`ray start` exited; see {workdir / 'head.log'}"
-            try:
-                url = f"http://127.0.0.1:{ports['dashboard']}/api/jobs/"
-                if httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"Ray head not ready in {HEAD_START_TIMEOUT_S}s"
-            time.sleep(0.5)
+        node.start(timeout_s=HEAD_START_TIMEOUT_S)
+        ports = {
+            "gcs-server": node.ports.gcs,
+            "dashboard": node.ports.dashboard,
+            "client": node.ports.client_server,
+        }
         # A job submitted by hand with the RayJob's own entrypoint (as KubeRay's submitter does);
         # `--help` makes it exit at once whatever happens, so nothing trains here.
         from ray.job_submission import JobSubmissionClient
 
-        JobSubmissionClient(
-            f"http://127.0.0.1:{ports['dashboard']}", headers={"Authorization": f"Bearer {token}"}
-        ).submit_job(entrypoint=ray_job()["spec"]["entrypoint"] + " --help", submission_id=PROBE_JOB_ID)
+        JobSubmissionClient(node.dashboard_url, headers={"Authorization": f"Bearer {token}"}).submit_job(
+            entrypoint=ray_job()["spec"]["entrypoint"] + " --help", submission_id=PROBE_JOB_ID
+        )
         yield LocalHead(token, ports)
     finally:
-        # `ray start --block` stops the processes it started on SIGTERM: only our cluster ends.
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
+        node.stop()  # its process group: only this cluster ends
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _service_env(head: LocalHead, ray_token: str, home: Path) -> dict[str, str]:

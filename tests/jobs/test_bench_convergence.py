@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from jobs import bench_convergence
 
 
@@ -19,6 +21,19 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     assert tail["tail_bits"] is not None
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
+
+
+def test_bench_convergence_runs_more_workers_through_the_sharded_collective(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--tasks", "digits", "--methods", "none,tail", "--steps", "4", "--timeout-s", "300"]
+    bench_convergence.main([*args, "--world-size", "3", "--collective", "sharded", "--json", str(out)])
+    none, tail = json.loads(out.read_text())
+    assert none["world_size"] == tail["world_size"] == 3
+    assert none["collective"] == "allreduce" and tail["collective"] == "sharded"
+    # Ring model at 3 workers: 2 * 2/3 of the raw gradient; Tail far less.
+    assert none["bytes_sent_per_step"] == pytest.approx(2 * 2 * none["raw_bytes_per_step"] / 3, rel=1e-3)
+    assert 0 < tail["bytes_sent_per_step"] < none["bytes_sent_per_step"] / 4
+    assert "3 workers, gloo, payload methods: sharded" in capsys.readouterr().out
 
 
 def test_bench_convergence_runs_the_example_models_as_tasks(tmp_path):

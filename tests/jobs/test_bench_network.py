@@ -39,3 +39,23 @@ def test_bench_network_counts_the_bytes_the_link_really_carried(tmp_path: Path, 
         assert r["bytes_per_step_interface"] >= 0.95 * r["bytes_per_step_transport"] > 0
     assert tail["bytes_per_step_transport"] < none["bytes_per_step_transport"] / 4
     assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_network_three_ranks_on_a_bridge_count_bytes_per_rank(tmp_path: Path) -> None:
+    out = tmp_path / "net3.json"
+    rc = bench_network.main(
+        ["--world-size", "3", "--links", "200", "--models", "char_transformer",
+         "--methods", "none,tail-sharded", "--steps", "2", "--warmup-steps", "1", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 3
+    rows = {r["method"]: r for r in data["results"]}
+    for r in rows.values():
+        assert r["world_size"] == 3
+        # Each rank's own interface carried at least what its transport sent.
+        assert r["bytes_per_step_interface"] >= 0.95 * r["bytes_per_step_transport"] > 0
+        assert r["bytes_per_step_interface_max"] >= r["bytes_per_step_interface"]
+    sharded = rows["tail-sharded"]
+    # Two stages of (W-1)/W of a payload each: 4/3 of a rank's own payload, plus framing.
+    assert sharded["bytes_per_step_transport"] < 2 * sharded["encoded_bytes_per_step"]

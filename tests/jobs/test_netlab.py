@@ -84,3 +84,33 @@ def test_lab_is_removed_on_sigterm(tmp_path: Path) -> None:
     proc.wait(timeout=20)
     time.sleep(0.2)
     assert "tailnet-t3" not in _namespaces()
+
+
+def _lab_links_in_root(tag: str) -> list[str]:
+    """Links of the root namespace named like this lab's (others may make links meanwhile)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if tag in line.split(":")[1]]
+
+
+def test_bridge_of_three_hosts_limits_each_host_and_leaves_nothing_behind() -> None:
+    """Three hosts on a bridge in a namespace of its own: a -> c crosses two shaped veths (a's
+    upload, c's download); nothing is made in, or left in, the root namespace."""
+    with NetLab(rate_mbit=40, tag="t4", hosts=3) as lab:
+        a, b, c = lab.hosts
+        assert lab.switch is not None and lab.switch.netns in _namespaces()
+        assert not _lab_links_in_root("t4")  # every veth end lives in a lab namespace
+        server = subprocess.Popen(
+            [*c.exec_prefix(), sys.executable, "-c", SERVER, c.address], stdout=subprocess.PIPE, text=True
+        )
+        subprocess.run(
+            [*a.exec_prefix(), sys.executable, "-c", CLIENT, c.address, "6"], check=True, timeout=60
+        )
+        out, _ = server.communicate(timeout=60)
+        nbytes, seconds = (float(v) for v in out.split())
+        mbit_s = nbytes * 8 / 1e6 / seconds
+        assert nbytes == 6 * (1 << 20)
+        assert 20 < mbit_s < 44, f"measured {mbit_s:.1f} Mbit/s through 40 Mbit/s links"
+        assert a.tx_rx_bytes()[0] >= nbytes and c.tx_rx_bytes()[1] >= nbytes
+        assert b.tx_rx_bytes()[1] < nbytes / 10  # the bridge forwarded a -> c, not to b
+    assert "tailnet-t4" not in _namespaces()
+    assert not _lab_links_in_root("t4")

@@ -1,8 +1,8 @@
 """Elastic scale-up on a real Ray cluster: a (1, 2)-worker job starts on a one-CPU cluster
 with one worker; a second node joins; Ray Train resizes the group to two workers, which
-resume from the latest checkpoint with the new world size (residuals dropped, controller
-state kept). The job is a real `python -m jobs.train` Ray job, stopped once the resized
-group has trained (its step budget is deliberately far away)."""
+resume from the latest checkpoint with the new world size (controller state kept, what the
+residuals owed carried into the first step). The job is a real `python -m jobs.train` Ray
+job, stopped once the resized group has trained (its step budget is deliberately far away)."""
 
 from __future__ import annotations
 

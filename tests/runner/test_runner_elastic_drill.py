@@ -10,6 +10,10 @@ through the drill in a background thread while the test watches its metrics sink
 3. one Ray Train worker process is SIGKILLed by pid: Ray Train restarts the group (within
    ``max_failures``) from the latest checkpoint and the job finishes.
 
+The job runs the SHARDED collective (``compression.collective=sharded``): at world size 2
+its second stage keeps residuals per slice, which the checkpoints carry and a restart
+restores (and a resize folds into the first gradients, tests/collective/test_collective_sharded.py).
+
 Then an undisturbed 2-worker run of the same config gives the accuracy band to land in.
 Every step sleeps ``STEP_DELAY_S`` (test-only knob) so a few dozen steps outlast the node start
 and the resize monitor.
@@ -43,6 +47,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 METHOD = "tail"
+COLLECTIVE = "sharded"
 STEPS = 120
 CHECKPOINT_EVERY = 5
 STEP_DELAY_S = 0.3
@@ -71,6 +76,10 @@ def job_config(storage: Path, **overrides: Any) -> JobConfig:
         "metrics_every_steps": 1,
         "cpus_per_worker": 1,
         "storage_path": str(storage),
+        "compression.collective": COLLECTIVE,
+        # Always compress: on this host the link-aware switch would (rightly) pick plain
+        # all-reduce, and the drill must run the sharded exchange through the resize and kill.
+        "compression.link_aware": "false",
         **overrides,
     }
     return base.with_overrides([f"{k}={v}" for k, v in settings.items()])
@@ -230,7 +239,15 @@ def test_hook_state_comes_back_by_layer_name(drill):
     for rank in (0, 1):
         saved = torch.load(ckpt / rank_file(rank), weights_only=False)["hook"]
         assert set(saved["compressor"]["layer_steps"]) == names
-        fresh = make_hook_state(make_model("digits_cnn", make_dataset("digits")), METHOD, {})
+        # The sharded collective's second stage: residuals of the slices this rank owns,
+        # and where they sit in their layers (for a resize).
+        assert saved["collective"] == COLLECTIVE and saved["world_size"] == 2
+        stage_two = saved["stages"]["stage_two"]["residuals"]
+        offsets = saved["owed"]["stage_two"]["offsets"]
+        assert stage_two and set(stage_two) <= names and set(stage_two) <= set(offsets)
+        fresh = make_hook_state(
+            make_model("digits_cnn", make_dataset("digits")), METHOD, {"collective": COLLECTIVE}
+        )
         fresh.load_state_dict(saved)
         assert fresh.state_dict()["compressor"]["layer_steps"] == saved["compressor"]["layer_steps"]
 

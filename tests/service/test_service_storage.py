@@ -435,7 +435,7 @@ def test_the_ingester_thins_every_job_to_the_retention_setting(store: Storage, t
     assert [p["step"] for p in store.steps("j2", -1, 100)] == kept_j2
     per_step = len(LAYERS) + 1
     assert deleted == (60 - len(kept_j1) + 30 - len(kept_j2)) * per_step
-    text = render_prometheus(store, settings, ingest_ok=True)
+    text = render_prometheus(store, settings, ingest_ok=True)[0].decode()
     assert f'tail_ray_storage_records{{kind="step"}} {float(len(kept_j1) + len(kept_j2))!r}' in text
     assert f"tail_ray_storage_pruned_records_total {float(deleted)!r}" in text
 

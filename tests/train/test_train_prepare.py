@@ -174,3 +174,22 @@ def test_two_ddp_ranks_with_frozen_unused_parameters_and_accumulation(tmp_path: 
         assert all(r["rank"] == rank and r["world_size"] == 2 and r["bytes_sent"] > 0 for r in steps)
         layers = {r["layer"] for r in run["records"] if r["type"] == "layer"}
         assert layers == TRAINABLE  # the frozen embedding is never communicated
+
+
+def test_step_records_carry_both_stages_of_a_sharded_collective():
+    """One row per layer, then one per second-stage slice under "<name>@stage2" with that
+    stage's own bits and bytes, then the step record."""
+    from tail_ray.collective import HookStepMetrics
+    from tail_ray.compression.stats import LayerStats
+    from tail_ray.train.session import STAGE_TWO_SUFFIX, step_records
+
+    first = LayerStats("fc1.weight", 8192, 4, 0.5, 32768, 4200, 0.1, "rans")
+    second = LayerStats("fc1.weight", 4096, 5, 0.7, 16384, 2600, 0.05, "bitpack")
+    m = HookStepMetrics(layers=[first], stage_two=[second], bytes_sent=6800)
+    rows = step_records(m, job_id="job", step=3, rank=1, world_size=4, method="tail", step_s=0.1, loss=2.0)
+    assert [(r["layer"], r["bits"], r["encoded_bytes"]) for r in rows[:2]] == [
+        ("fc1.weight", 4, 4200),
+        (f"fc1.weight{STAGE_TWO_SUFFIX}", 5, 2600),
+    ]
+    assert all(r["step"] == 3 and r["rank"] == 1 for r in rows)
+    assert len(rows) == 3 and rows[2]["bytes_sent"] == 6800

@@ -1,0 +1,102 @@
+"""Compile the device codec's kernels for a GPU without one: Triton's own compiler, ahead of time.
+
+Triton's interpreter (how CI runs the kernels) executes them with numpy and skips everything
+the compiler checks: types, constexpr rules, what LLVM and ptxas make of the arithmetic. This
+module feeds every kernel of ``triton_kernels`` through the real pipeline (TTIR -> LLVM ->
+PTX -> cubin, with the ptxas that ships in the triton wheel) for a chosen NVIDIA target, so a
+CPU-only machine proves the kernels build and can read the PTX they became (no fused
+multiply-adds; IEEE division), which is what bit-exactness on the GPU rests on.
+
+Run it in a process WITHOUT ``TRITON_INTERPRET`` set (under the interpreter the kernels are not
+compilable objects): ``python -m tail_ray.compression.triton_aot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tail_ray.compression import triton_kernels as K
+
+
+@dataclass(frozen=True)
+class Built:
+    name: str
+    ptx: str
+    cubin_bytes: int
+
+    def fused_multiply_adds(self) -> int:
+        """FMA instructions of float32/float64 math in the PTX (the grid forbids them)."""
+        return len(re.findall(r"\bfma\.rn\.f(32|64)\b", self.ptx))
+
+    def approximate_divisions(self) -> int:
+        return len(re.findall(r"\bdiv\.(approx|full)\.f32\b", self.ptx))
+
+
+_P32, _P64 = "*fp32", "*fp64"
+
+
+def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
+    quant_sig = {
+        "g_ptr": _P32, "e_ptr": _P32, "scales_ptr": _P32, "levels_ptr": "*u8", "nnz_ptr": "*i32",
+        "err_sq_ptr": _P64, "n": "i32", "bucket_size": "i32", "seed": "u32", "lmax": "i32",
+        "inv_l": "fp32", "packed_bytes": "i32",
+    }  # fmt: skip
+    out: list[tuple[str, object, dict[str, str], dict[str, object]]] = []
+    for bits in (2, 3, 4, 8):
+        out.append((f"quantize_ef_pack{bits}", K._quantize_kernel, quant_sig,
+                    {"BLOCK": 512, "USE_E": True, "PACK_BITS": bits}))  # fmt: skip
+    out.append(("quantize_int8", K._quantize_kernel, {**quant_sig, "levels_ptr": "*i8"},
+                {"BLOCK": 128, "USE_E": False, "PACK_BITS": 0}))  # fmt: skip
+    out.append(("pack4", K._pack_kernel,
+                {"levels_ptr": "*i8", "out_ptr": "*u8", "n": "i32", "lmax": "i32", "packed_bytes": "i32"},
+                {"BLOCK": 1024, "BITS": 4}))  # fmt: skip
+    out.append(("dequantize3", K._dequantize_kernel,
+                {"packed_ptr": "*u8", "scales_ptr": _P32, "out_ptr": _P32, "n": "i32", "bucket_size": "i32",
+                 "lmax": "i32", "inv_l": "fp32"},
+                {"BLOCK": 1024, "BITS": 3}))  # fmt: skip
+    out.append(("mean", K._mean_kernel,
+                {"levels_ptr": "*i8", "steps_ptr": _P32, "bucket_ptr": "*i64", "out_ptr": _P32, "n": "i32",
+                 "world": "i32", "steps_stride": "i32"},
+                {"BLOCK": 1024}))  # fmt: skip
+    out.append(("bucket_errors", K._bucket_errors_kernel,
+                {"g_ptr": _P32, "e_ptr": _P32, "ids_ptr": "*i64", "n_ids": "i32", "n": "i32",
+                 "bucket_size": "i32", "lmax_ptr": "*i32", "out_ptr": _P64},
+                {"USE_E": True, "NC": 6, "NC_POW2": 8}))  # fmt: skip
+    out.append(("sum_squares", K._sum_squares_kernel, {"x_ptr": _P32, "partial_ptr": _P64, "n": "i32"},
+                {"BLOCK": 1024}))  # fmt: skip
+    return out
+
+
+def build_all(arch: int = 90) -> list[Built]:
+    """Compile every kernel variant the codec launches for ``sm_<arch>``; raises on failure."""
+    target = GPUTarget("cuda", arch, 32)
+    built = []
+    for name, fn, sig, consts in _variants():
+        signature = {**sig, **{k: "constexpr" for k in consts}}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+        kernel = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+        built.append(Built(name, kernel.asm["ptx"], len(kernel.asm["cubin"])))
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x10 (90: H100/H200)")
+    args = ap.parse_args(argv)
+    bad = 0
+    for b in build_all(args.arch):
+        fma, approx = b.fused_multiply_adds(), b.approximate_divisions()
+        bad += fma + approx
+        print(f"{b.name:20s} cubin {b.cubin_bytes:7d} B   fma {fma}   approx div {approx}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
