@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.exposure import arrived_beyond_loopback
 from service.ingester import Ingester
+from service.live import LiveMetrics
 from service.packages import PackageStore
 from service.ray_client import RayGateway
 from service.read_cache import ReadCache
@@ -37,6 +38,11 @@ def get_read_cache(request: Request) -> ReadCache:
     return cache
 
 
+def get_live(request: Request) -> LiveMetrics:
+    live: LiveMetrics = request.app.state.live
+    return live
+
+
 def get_ray(request: Request) -> RayGateway:
     gateway: RayGateway = request.app.state.ray
     return gateway
@@ -57,6 +63,7 @@ StorageDep = Annotated[Storage, Depends(get_storage)]
 RayDep = Annotated[RayGateway, Depends(get_ray)]
 IngesterDep = Annotated[Ingester, Depends(get_ingester)]
 ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
+LiveDep = Annotated[LiveMetrics, Depends(get_live)]
 PackagesDep = Annotated[PackageStore, Depends(get_packages)]
 
 _bearer = HTTPBearer(auto_error=False, description="The service's API token (TAIL_RAY_API_TOKEN).")

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from service.storage.base import StorageError
 from tail_ray.errors import ConfigError, TailError
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ def error_body(code: str, message: str) -> dict[str, str]:
 async def tail_error_handler(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ServiceError):
         status, code = exc.status_code, exc.code
+    elif isinstance(exc, StorageError):  # the database is down or refuses writes: retry later
+        status, code = 503, "database_unavailable"
     elif isinstance(exc, ConfigError):
         status, code = 422, "invalid_config"
     else:

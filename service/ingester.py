@@ -9,9 +9,15 @@ Two duties, one loop (``run_forever``), each step a plain blocking method the te
   message saying it was lost and when (its cluster was restarted or replaced). A job we asked
   to stop reads STOPPING until Ray says it ended. Runs on start and every ``sync_interval_s``.
 - ``drain``: for each job not yet drained, read its sink from the stored cursor in pages of
-  ``ingest_batch_records`` and persist each page with its new cursor in one transaction
-  (``Storage.ingest``). A restart resumes from the stored cursor: nothing lost, nothing
-  doubled, and whatever the sink buffered while we were down is read now.
+  ``ingest_batch_records`` (reads in flight while earlier pages are stored) and persist each
+  page with its new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
+  cursor: nothing lost, nothing doubled, and whatever the sink buffered meanwhile is read now.
+- ``retain``: every ``retention_interval_s``, thin old records per job (``Storage.apply_retention``).
+
+Only one ingester works on a database at a time: each pass first takes (or confirms) the
+storage's leader lease (SQLite: a file lock; PostgreSQL: an advisory lock), so several
+replicas on one PostgreSQL serve reads while exactly one of them ingests; when it dies its
+lock is freed and the next pass of another replica takes over from the stored cursors.
 
 A job is drained when Ray says it ended more than ``drain_grace_s`` ago (late fire-and-forget
 pushes have landed) and a read found nothing new; then its sink is closed to free the actor.
@@ -23,14 +29,25 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from service.errors import JobNotFound, RayUnavailable
 from service.ray_client import RayGateway, RayJob, name_from_entrypoint
 from service.settings import Settings
 from service.status import JobStatus
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, JobRow, Storage
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _JobDrain:
+    """One job's progress through a drain pass."""
+
+    job: JobRow
+    cursor: int
+    read: int = 0
+    saw_sink: bool = False
 
 
 class Ingester:
@@ -39,8 +56,19 @@ class Ingester:
         self.storage = storage
         self.ray = ray_gateway
         self.last_error: str | None = None
+        self.lease = storage.leader_lease()
+        self.stored_records = 0  # by this process (a replica that is not the leader stores none)
         self._last_sync = 0.0
+        self._last_retention = 0.0
         self._unknown_since: dict[str, float] = {}  # job id -> monotonic time Ray first lacked it
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lease.held
+
+    def close(self) -> None:
+        """Give up the leader lease (another replica's next pass takes over)."""
+        self.lease.release()
 
     # ------------------------------------------------------------ job table
     def sync_jobs(self) -> int:
@@ -116,49 +144,75 @@ class Ingester:
 
     # ------------------------------------------------------------ metrics
     def drain(self) -> int:
-        """Read every undrained job's sink up to its end; returns records stored."""
-        stored = 0
-        for job, cursor in self.storage.undrained_jobs():
-            stored += self.drain_job(job.id, cursor, job.is_terminal, job.ended_at)
-        return stored
+        """Read every undrained job's sink up to its end; returns records read.
 
-    def drain_job(self, job_id: str, cursor: int, terminal: bool, ended_at: float | None) -> int:
+        Every job's first read is sent at once; whenever a page comes back full, that job's next
+        read is sent before the page is stored, so the sink actors serialize pages while this
+        thread stores earlier ones. Each page is stored with its new cursor in one transaction."""
         limit = self.settings.ingest_batch_records
-        stored, saw_sink = 0, False
-        while True:
-            page = self.ray.read_sink(job_id, cursor, limit)
-            if page is None:
-                break
-            saw_sink = True
-            records = page["records"]
-            self.storage.ingest(
-                job_id,
-                IngestBatch(
-                    records=records,
-                    next_seq=int(page["next_seq"]),
-                    missed=int(page["missed"]),
-                    dropped_in_sink=int(page["dropped_in_sink"]),
-                    dropped_by_workers=int(page["dropped_by_workers"]),
-                ),
+        jobs = {job.id: _JobDrain(job, cursor) for job, cursor in self.storage.undrained_jobs()}
+        inflight = self.ray.request_sink_pages({job_id: d.cursor for job_id, d in jobs.items()}, limit)
+        while inflight and self.lease.held:  # a leader that lost its lease stops at the next page
+            job_id = next(iter(inflight))
+            page = self.ray.sink_page(job_id, inflight.pop(job_id))
+            if page is not None and len(page["records"]) >= limit:
+                inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
+            self._store(jobs[job_id], page)
+        if not self.lease.held:
+            return sum(d.read for d in jobs.values())  # another replica ingests now; it decides drains
+        for d in jobs.values():
+            self._maybe_drained(d)
+        return sum(d.read for d in jobs.values())
+
+    def _store(self, d: _JobDrain, page: dict | None) -> None:
+        """Store one page and advance the job's cursor."""
+        if page is None:
+            return
+        d.saw_sink = True
+        records = page["records"]
+        batch = IngestBatch(
+            records=records,
+            next_seq=int(page["next_seq"]),
+            missed=int(page["missed"]),
+            dropped_in_sink=int(page["dropped_in_sink"]),
+            dropped_by_workers=int(page["dropped_by_workers"]),
+        )
+        self.stored_records += self.storage.ingest(d.job.id, batch)
+        if page["missed"]:
+            logger.warning(
+                "job %s: the sink dropped %d records before we read them", d.job.id, page["missed"]
             )
-            if page["missed"]:
-                logger.warning(
-                    "job %s: the sink dropped %d records before we read them", job_id, page["missed"]
-                )
-            stored += len(records)
-            cursor = int(page["next_seq"])
-            if len(records) < limit:
-                break
+        d.read += len(records)
+        d.cursor = batch.next_seq
+
+    def _maybe_drained(self, d: _JobDrain) -> None:
+        """A job is drained when it ended ``drain_grace_s`` ago and this pass read nothing new."""
+        ended_at = d.job.ended_at
         settled = ended_at is not None and time.time() - ended_at >= self.settings.drain_grace_s
-        if terminal and settled and stored == 0:
-            self.storage.mark_drained(job_id)
-            if saw_sink and self.settings.close_drained_sinks:
-                self.ray.close_sink(job_id)
-            logger.info("job %s: metrics drained", job_id)
-        return stored
+        if d.job.is_terminal and settled and d.read == 0:
+            self.storage.mark_drained(d.job.id)
+            if d.saw_sink and self.settings.close_drained_sinks:
+                self.ray.close_sink(d.job.id)
+            logger.info("job %s: metrics drained", d.job.id)
+
+    def retain(self) -> int:
+        """Thin every job's old records to the retention policy; returns records deleted."""
+        policy = self.settings.retention
+        deleted = 0
+        for job_id in self.storage.job_ids():
+            while True:  # each call thins a bounded window of steps
+                n = self.storage.apply_retention(job_id, policy)
+                deleted += n
+                if n == 0:
+                    break
+        if deleted:
+            logger.info("retention: thinned %d old metric records", deleted)
+        return deleted
 
     # ------------------------------------------------------------ loop
     def run_once(self) -> int:
+        if not self.lease.try_acquire():
+            return 0  # another process or replica is the ingester; this one serves reads
         now = time.monotonic()
         try:
             if now - self._last_sync >= self.settings.sync_interval_s:
@@ -169,13 +223,20 @@ class Ingester:
             self.last_error = str(exc)
             return 0
         self.last_error = None
+        if now - self._last_retention >= self.settings.retention_interval_s:
+            self._last_retention = now
+            self.retain()
         return stored
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await asyncio.to_thread(self.run_once)
-            except Exception:  # keep ingesting whatever one bad pass did
-                logger.exception("ingest pass failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.settings.ingest_interval_s)
+        # Every pass runs in a worker thread: the event loop only waits for it.
+        try:
+            while not stop.is_set():
+                try:
+                    await asyncio.to_thread(self.run_once)
+                except Exception:  # keep ingesting whatever one bad pass did
+                    logger.exception("ingest pass failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.settings.ingest_interval_s)
+        finally:
+            self.close()

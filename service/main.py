@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,15 +17,17 @@ from service.errors import install_error_handlers
 from service.exposure import HostAllowList
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
+from service.live import LiveMetrics
 from service.packages import Limits, PackageStore
 from service.ray_client import RayGateway
 from service.read_cache import ReadCache
 from service.routers import health, jobs, metrics, packages
 from service.settings import Settings
-from service.storage import Storage
+from service.storage import open_storage
 
 logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).parent / "static"
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,7 +35,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.storage = Storage(settings.db_path)
+        # The ingester's thread runs pure Python (decoding and converting sink pages) for tens of
+        # milliseconds at a time; a request waits for the interpreter lock at every hop between
+        # the event loop and a worker thread, up to the switch interval each time. At CPython's
+        # 5 ms, a three-hop read's p99 went from 4-14 ms to 35-67 ms beside a busy ingest thread;
+        # at 1 ms, to 5-20 ms (python -m jobs.bench_switch_interval, docs/operations.md).
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        # Opening migrates: blocking work, so off the event loop.
+        app.state.storage = storage = await asyncio.to_thread(open_storage, settings.storage_url)
+        logger.info("storage: %s", storage.describe())
         app.state.packages = PackageStore(
             settings.package_root(),
             Limits(
@@ -41,15 +52,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.read_cache = ReadCache()  # results keyed by each job's ingest state
         app.state.ray = RayGateway(settings)
-        app.state.ingester = Ingester(settings, app.state.storage, app.state.ray)
+        app.state.ingester = Ingester(settings, storage, app.state.ray)
+        app.state.live = LiveMetrics(storage, app.state.read_cache, settings)
         stop = asyncio.Event()
         task = asyncio.create_task(app.state.ingester.run_forever(stop)) if settings.ingest_enabled else None
         try:
             yield
         finally:
             stop.set()
+            await app.state.live.close()
             if task is not None:
                 await task
+            app.state.ingester.close()
+            await asyncio.to_thread(storage.close)
 
     app = FastAPI(
         title="tail-ray",

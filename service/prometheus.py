@@ -39,13 +39,27 @@ _LAYER_FAMILIES = (
 class StorageCollector:
     """Reads storage on every ``collect`` (a scrape) and yields the metric families."""
 
-    def __init__(self, storage: Storage, settings: Settings, ingest_ok: bool) -> None:
+    def __init__(
+        self, storage: Storage, settings: Settings, ingest_ok: bool, leader: bool, stored_here: int
+    ) -> None:
         self.storage, self.settings, self.ingest_ok = storage, settings, ingest_ok
+        self.leader, self.stored_here = leader, stored_here
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("tail_ray_ingest_up", "1 when the last ingest pass reached Ray.")
         up.add_metric([], 1.0 if self.ingest_ok else 0.0)
         yield up
+        leader = GaugeMetricFamily(
+            "tail_ray_ingest_leader", "1 on the replica that holds the ingester lease."
+        )
+        leader.add_metric([], 1.0 if self.leader else 0.0)
+        yield leader
+        yield CounterMetricFamily(
+            "tail_ray_ingest_stored_records_total",
+            "Metric records this replica stored.",
+            value=self.stored_here,
+        )
+        yield from self._storage_size()
         jobs_by_status = GaugeMetricFamily(
             "tail_ray_jobs", "Jobs known to the service, by status.", labels=["status"]
         )
@@ -76,6 +90,26 @@ class StorageCollector:
             yield family
 
 
+    def _storage_size(self) -> Iterator[Metric]:
+        size = self.storage.size()
+        records = GaugeMetricFamily(
+            "tail_ray_storage_records", "Metric records kept in the database, by kind.", labels=["kind"]
+        )
+        records.add_metric(["layer"], size.layer_records)
+        records.add_metric(["step"], size.step_records)
+        yield records
+        yield CounterMetricFamily(
+            "tail_ray_storage_pruned_records_total",
+            "Metric records thinned out by retention.",
+            value=size.pruned_records,
+        )
+        yield GaugeMetricFamily(
+            "tail_ray_storage_bytes",
+            f"Database size ({self.storage.backend}), bytes.",
+            value=size.database_bytes,
+        )
+
+
 def _family(
     name: str, counter: bool, help_text: str, labels: list[str]
 ) -> CounterMetricFamily | GaugeMetricFamily:
@@ -85,11 +119,16 @@ def _family(
 
 
 def render_prometheus(
-    storage: Storage, settings: Settings, ingest_ok: bool, accept: str | None = None
+    storage: Storage,
+    settings: Settings,
+    ingest_ok: bool,
+    accept: str | None = None,
+    leader: bool = True,
+    stored_here: int = 0,
 ) -> tuple[bytes, str]:
     """(body, content type) of one scrape: Prometheus text 0.0.4, or OpenMetrics text when
     ``accept`` (the request's Accept header) asks for ``application/openmetrics-text``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StorageCollector(storage, settings, ingest_ok))
+    registry.register(StorageCollector(storage, settings, ingest_ok, leader, stored_here))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

@@ -85,6 +85,7 @@ class RayGateway:
         self._lock = threading.Lock()
         self._client: JobSubmissionClient | None = None
         self._secret = settings.ray_token()
+        self._sinks: dict[str, Any] = {}  # job id -> its sink's actor handle (this driver's)
 
     # ------------------------------------------------------------ helpers
     def redact(self, text: str) -> str:
@@ -125,6 +126,7 @@ class RayGateway:
             if not ray.is_initialized() or _gcs_answers(ray.get_runtime_context().gcs_address):
                 return  # only the job server is down: the driver is fine where it is
             logger.warning("Ray's GCS is unreachable: leaving the cluster; will rejoin when it answers")
+            self._sinks.clear()  # handles of the driver we leave
             try:
                 ray.shutdown()
             except Exception as exc:
@@ -248,17 +250,32 @@ class RayGateway:
                     f"cannot join the Ray cluster at {self.settings.ray_address}", exc
                 ) from None
 
-    def read_sink(self, job_id: str, after_seq: int, limit: int) -> dict[str, Any] | None:
-        """One page from the job's sink, or None when the job has no sink (yet, or any more)."""
+    def request_sink_pages(self, cursors: dict[str, int], limit: int) -> dict[str, ray.ObjectRef | None]:
+        """Send each job's sink a read for its next page (job id -> cursor) without waiting: the
+        reads are in flight together, and the sink actors serialize their pages while the
+        caller stores earlier ones. None for a job with no sink (yet, or any more). Actor
+        handles are cached per job (a named-actor lookup is a GCS round trip)."""
         self.connect()
+        refs: dict[str, ray.ObjectRef | None] = {}
         try:
-            handle = sink_mod.find_sink(job_id)
-            if handle is None:
-                return None
-            ref: ray.ObjectRef = handle.read.remote(after_seq, limit)
+            for job_id, after_seq in cursors.items():
+                handle = self._sinks.get(job_id) or sink_mod.find_sink(job_id)
+                if handle is not None:
+                    self._sinks[job_id] = handle
+                refs[job_id] = handle.read.remote(after_seq, limit) if handle is not None else None
+        except Exception as exc:
+            raise self._unavailable("cannot reach the metrics sinks", exc) from None
+        return refs
+
+    def sink_page(self, job_id: str, ref: ray.ObjectRef | None) -> dict[str, Any] | None:
+        """The page a ``request_sink_pages`` read returned; None when the sink is gone."""
+        if ref is None:
+            return None
+        try:
             return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
         except ray.exceptions.RayActorError:
-            return None  # the sink was closed between find and read
+            self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
+            return None
         except Exception as exc:
             raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
 
@@ -271,6 +288,7 @@ class RayGateway:
             raise self._unavailable("cannot list the metrics sinks", exc) from None
 
     def close_sink(self, job_id: str) -> None:
+        self._sinks.pop(job_id, None)
         self.connect()
         try:
             sink_mod.close_sink(job_id)

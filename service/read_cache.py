@@ -1,11 +1,14 @@
 """Short-lived cache of the metric read routes' results, keyed by the job's ingest state.
 
-Every change to a job's metric records goes through ``Storage.ingest``, which rewrites the
-job's ``ingest_cursors`` row in the same transaction (``mark_drained`` rewrites it too). So
-while that row is unchanged, a summary / layers / steps read would compute the same result:
-a hundred dashboards polling a job between two ingest pages cost one computation, not a
-hundred. The cached value is the route's response model, so FastAPI serializes it exactly as
-before. The version is read BEFORE the data, so a cached result is never older than its key.
+Every change to a job's metric records goes through ``Storage.ingest`` (or retention, or
+``mark_drained``), which rewrites the job's ``ingest_cursors`` row in the same transaction. So
+while that row is unchanged, a summary / layers / steps read would compute the same result: a
+hundred dashboards reading a job between two ingest transactions cost one computation, not a
+hundred. The version is read BEFORE the data, so a cached result is never older than its key.
+
+Single flight: when a key's version changes, the first reader computes it and the readers that
+arrive meanwhile wait for that result instead of each running the same query (at a hundred
+dashboards a second, every ingest commit used to start a burst of identical queries).
 """
 
 from __future__ import annotations
@@ -18,13 +21,23 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class _Flight:
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+
+
 class ReadCache:
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 1024) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[Hashable, tuple[Hashable, object]] = OrderedDict()
+        self._flights: dict[tuple[Hashable, Hashable], _Flight] = {}
         self._lock = threading.Lock()  # routes run in FastAPI's thread pool
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # answered without running build (cached, or another reader's build)
+        self.misses = 0  # builds run
 
     def get(self, key: Hashable, version: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -33,11 +46,32 @@ class ReadCache:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return entry[1]  # type: ignore[return-value]
-            self.misses += 1
-        value = build()  # outside the lock: a slow read must not serialize the others
-        with self._lock:
-            self._entries[key] = (version, value)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            flight = self._flights.get((key, version))
+            owner = flight is None
+            if flight is None:
+                flight = self._flights[(key, version)] = _Flight()
+                self.misses += 1
+            else:
+                self.hits += 1
+        if not owner:
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            return flight.value  # type: ignore[return-value]
+        try:
+            value = build()  # outside the lock: a slow read must not serialize the others
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        else:
+            flight.value = value
+            with self._lock:
+                self._entries[key] = (version, value)
+                self._entries.move_to_end(key)
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+        finally:
+            with self._lock:
+                self._flights.pop((key, version), None)
+            flight.done.set()
         return value

@@ -12,6 +12,8 @@ from typing import Annotated
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.storage import RetentionPolicy, parse_storage_url
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HOME = Path.home() / ".tail_ray"
 
@@ -43,7 +45,23 @@ class Settings(BaseSettings):
     )
 
     # --- storage ---
-    db_path: Path = DEFAULT_HOME / "service.sqlite"
+    db_path: Path = Field(
+        DEFAULT_HOME / "service.sqlite", description="The SQLite file, when database_url is not set."
+    )
+    database_url: str | None = Field(
+        None,
+        description="Where jobs and metrics live: sqlite:///absolute/path.sqlite (embedded, one "
+        "replica) or postgresql://user:password@host:port/database (several replicas, one of "
+        "them ingesting). Unset: the SQLite file at db_path.",
+    )
+    retention_full_steps: int | None = Field(
+        10_000,
+        ge=1,
+        description="Per job, keep every step's metric records for the newest this many steps; "
+        "older steps keep every retention_every_k_steps-th step only. None keeps everything.",
+    )
+    retention_every_k_steps: int = Field(10, ge=1, le=1_000_000)
+    retention_interval_s: float = Field(60.0, gt=0, le=86_400, description="How often retention runs.")
 
     # --- Ray ---
     ray_address: str = Field("auto", description="GCS address the service's driver connects to.")
@@ -78,7 +96,9 @@ class Settings(BaseSettings):
         "turns both routes into 403 and leaves the built-in trainer's jobs only.",
     )
     packages_dir: Path | None = Field(
-        None, description="Where uploaded working_dir packages are kept (default: packages/ beside db_path)."
+        None,
+        description="Where uploaded working_dir packages are kept (default: packages/ beside the "
+        "SQLite file; on PostgreSQL ~/.tail_ray/packages).",
     )
     package_max_bytes: int = Field(32 * 1024 * 1024, ge=1024, le=1024**3, description="Largest zip taken.")
     package_max_unpacked_bytes: int = Field(
@@ -89,7 +109,9 @@ class Settings(BaseSettings):
     # --- background work ---
     ingest_enabled: bool = True
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
-    ingest_batch_records: int = Field(5_000, ge=1, le=100_000)
+    ingest_batch_records: int = Field(
+        5_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
+    )
     sync_interval_s: float = Field(3.0, gt=0, le=300)
     drain_grace_s: float = Field(5.0, ge=0, le=600)
     close_drained_sinks: bool = True
@@ -136,6 +158,14 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if value in ("", "none", "None") else value
 
+    @field_validator("database_url")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        parse_storage_url(value)  # ValueError naming the accepted schemes
+        return value
+
     @field_validator("packages_dir", mode="before")
     @classmethod
     def _empty_dir_is_none(cls, value: object) -> object:
@@ -146,8 +176,22 @@ class Settings(BaseSettings):
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
 
+    @property
+    def storage_url(self) -> str:
+        """The database the service opens: database_url, else the SQLite file at db_path."""
+        return self.database_url or f"sqlite://{self.db_path}"
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(self.retention_full_steps, self.retention_every_k_steps)
+
     def package_root(self) -> Path:
-        return self.packages_dir if self.packages_dir is not None else self.db_path.parent / "packages"
+        """packages_dir, else ``packages/`` beside the SQLite file the service opens (which
+        database_url may name instead of db_path), else, on PostgreSQL, in DEFAULT_HOME."""
+        if self.packages_dir is not None:
+            return self.packages_dir
+        backend, target = parse_storage_url(self.storage_url)
+        return (Path(target).parent if backend == "sqlite" else DEFAULT_HOME) / "packages"
 
     def ray_token(self) -> str | None:
         """The Ray cluster's token: from settings, else from Ray's token file, else None."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -12,6 +10,7 @@ from service.deps import RayDep, StorageDep
 from service.errors import RayUnavailable
 from service.routing import AuthFirstRoute
 from service.schemas import Health
+from service.storage import StorageError
 
 router = APIRouter(tags=["health"], route_class=AuthFirstRoute)
 
@@ -29,8 +28,8 @@ async def readyz(storage: StorageDep, ray: RayDep) -> JSONResponse:
     try:
         await run_in_threadpool(storage.check_writable)
         checks["database"] = "ok"
-    except sqlite3.Error as exc:
-        checks["database"] = f"not writable: {exc}"
+    except StorageError as exc:
+        checks["database"] = str(exc)
     try:
         await run_in_threadpool(ray.ping_jobs)
         await run_in_threadpool(ray.connect)

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from service.deps import IngesterDep, JobDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
+from service.deps import IngesterDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.errors import InvalidHeader
 from service.prometheus import render_prometheus
 from service.routing import AuthFirstRoute
-from service.schemas import LayerLatest, MetricsSummary, StepPoint, StepsPage
-from service.settings import Settings
-from service.storage import Storage
+from service.schemas import LayerLatest, MetricsSummary, StepsPage
+from service.views import layers_view, steps_view, summary_view
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",
@@ -40,11 +35,7 @@ _STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 @router.get("/layers", operation_id="get_layer_metrics")
 def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> list[LayerLatest]:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
-    return cache.get(
-        ("layers", job.id),
-        storage.ingest_version(job.id),
-        lambda: [LayerLatest(**row) for row in storage.latest_layers(job.id)],
-    )
+    return layers_view(storage, cache, job.id)
 
 
 @router.get("/steps", operation_id="get_step_metrics")
@@ -56,33 +47,32 @@ def get_step_metrics(
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> StepsPage:
     """The per-step series, oldest first; page with ``next_after_step``."""
-
-    def build() -> StepsPage:
-        rows = storage.steps(job.id, after_step, limit)
-        next_after = rows[-1]["step"] if rows else after_step
-        return StepsPage(job_id=job.id, items=[StepPoint(**r) for r in rows], next_after_step=next_after)
-
-    return cache.get(("steps", job.id, after_step, limit), storage.ingest_version(job.id), build)
+    items = steps_view(storage, cache, job.id, after_step, limit)
+    next_after = items[-1].step if items else after_step
+    return StepsPage(job_id=job.id, items=items, next_after_step=next_after)
 
 
 @router.get("/summary", operation_id="get_metrics_summary")
 def get_metrics_summary(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> MetricsSummary:
     """Totals: traffic raw vs sent, traffic saved, overall and mean per-layer ratio."""
-    return cache.get(
-        ("summary", job.id), storage.ingest_version(job.id), lambda: MetricsSummary(**storage.summary(job.id))
-    )
+    return summary_view(storage, cache, job.id)
 
 
 @router.get(
     "/stream",
     operation_id="stream_metrics",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "`step` events, then `end`."}},
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "`step` (final steps, with ids), `newest`, `summary` and `layers` events as "
+            "metrics arrive, then `end`.",
+        }
+    },
 )
 async def stream_metrics(
     job: JobDep,
-    storage: StorageDep,
-    settings: SettingsDep,
+    live: LiveDep,
     request: Request,
     after_step: AfterStep = -1,
     last_event_id: Annotated[
@@ -93,15 +83,17 @@ async def stream_metrics(
         ),
     ] = None,
 ) -> StreamingResponse:
-    """Server-sent events: one `step` event per finished step (data: a StepPoint), an `end`
-    event once the job ended and its metrics are drained. Reconnects resume from
-    ``Last-Event-ID`` (the last step seen)."""
+    """Server-sent events, what the dashboard draws: one `step` event per finished step (id: the
+    step, data: a StepPoint), `newest` (the newest step so far, may still change), `summary` (a
+    MetricsSummary) and `layers` (list of LayerLatest) whenever the job's metrics change, and
+    `end` once the job ended and its metrics are drained. Reconnects resume from
+    ``Last-Event-ID`` (the last final step seen)."""
     start = after_step
     resumed = parse_last_event_id(last_event_id)
     if resumed is not None:
         start = max(start, resumed)
     return StreamingResponse(
-        _step_events(job.id, start, storage, settings, request),
+        live.events(job.id, start, request.is_disconnected),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -121,31 +113,6 @@ def parse_last_event_id(value: str | None) -> int | None:
     return step
 
 
-async def _step_events(
-    job_id: str, after_step: int, storage: Storage, settings: Settings, request: Request
-) -> AsyncIterator[str]:
-    cursor = after_step
-    yield "retry: 3000\n\n"
-    while not await request.is_disconnected():
-        job = await run_in_threadpool(storage.get_job, job_id)
-        finished = job is not None and job.is_terminal
-        drained = finished and (await run_in_threadpool(storage.ingest_state, job_id))["drained"]
-        # While running, hold back the newest step: other ranks may not have reported it yet.
-        newest = None if drained else await run_in_threadpool(storage.max_step, job_id)
-        rows = await run_in_threadpool(storage.steps, job_id, cursor, 1000, newest)
-        for row in rows:
-            cursor = row["step"]
-            payload = StepPoint(**row).model_dump_json()
-            yield f"id: {cursor}\nevent: step\ndata: {payload}\n\n"
-        if drained and len(rows) < 1000:
-            end = json.dumps({"job_id": job_id, "status": job.status if job else ""})
-            yield f"event: end\ndata: {end}\n\n"
-            return
-        if not rows:
-            yield ": keep-alive\n\n"
-        await asyncio.sleep(settings.sse_interval_s)
-
-
 @prometheus_router.get(
     "/metrics",
     operation_id="prometheus_metrics",
@@ -158,7 +125,14 @@ def prometheus_metrics(
 ) -> Response:
     """Prometheus text (OpenMetrics when Accept asks for it): job counts by status, per-job
     traffic and ratio for the newest ``prometheus_max_jobs`` jobs, per-layer ratio/bits capped at
-    ``prometheus_max_layers``."""
+    ``prometheus_max_layers``; the ingester lease and what storage holds."""
     accept = request.headers.get("accept")  # OpenAPI ignores an Accept parameter: read it here
-    body, content_type = render_prometheus(storage, settings, ingester.last_error is None, accept)
+    body, content_type = render_prometheus(
+        storage,
+        settings,
+        ingester.last_error is None,
+        accept,
+        leader=ingester.is_leader,
+        stored_here=ingester.stored_records,
+    )
     return Response(body, media_type=content_type)

@@ -1,17 +1,26 @@
-// tail-ray dashboard: polls the read API and redraws. No build step, no network beyond this
-// service: Chart.js is vendored under /static/vendor.
+// tail-ray dashboard. The selected job's metrics arrive as server-sent events (one stream per
+// page: GET /v1/jobs/{id}/metrics/stream, read with fetch so the API token can go in a header,
+// resumed with Last-Event-ID after a drop); only the job list is polled. No build step, no
+// network beyond this service: Chart.js is vendored under /static/vendor.
 "use strict";
 
 const params = new URLSearchParams(location.search);
-const POLL_MS = Math.max(250, Number(params.get("poll_ms")) || 3000);
+const POLL_MS = Math.max(250, Number(params.get("poll_ms")) || 3000); // the job list
+const RETRY_MS = 3000; // reconnect delay after the stream drops
 const MAX_POINTS = 5000;
 
 const state = {
   // The API token lives for this tab only (sessionStorage): asked once, never written to disk.
   token: sessionStorage.getItem("tailRayToken") || "",
   jobId: null,
+  jobs: new Map(), // id -> JobPublic, from the job list
   steps: new Map(), // step -> StepPoint
-  lastStep: -1,
+  lastStep: -1, // the newest final step received (the stream's Last-Event-ID)
+  summary: null,
+  stream: null, // AbortController of the open stream
+  events: { step: 0, newest: 0, summary: 0, layers: 0, end: 0 }, // received, for the tests
+  stepsDirty: false,
+  ended: false,
   timer: null,
 };
 
@@ -88,6 +97,7 @@ function renderJobs(page) {
   tbody.replaceChildren();
   $("jobs-empty").hidden = page.items.length > 0;
   for (const job of page.items) {
+    state.jobs.set(job.id, job);
     const tr = document.createElement("tr");
     tr.dataset.jobId = job.id;
     if (job.id === state.jobId) tr.classList.add("selected");
@@ -103,19 +113,23 @@ function renderJobs(page) {
     tbody.append(tr);
   }
   if (!state.jobId && page.items.length) selectJob(page.items[0].id);
+  else if (state.summary) renderSummary(state.summary); // the job's status may have changed
 }
 
 function selectJob(jobId) {
   if (state.jobId === jobId) return;
+  if (state.stream) state.stream.abort();
   state.jobId = jobId;
   state.steps.clear();
   state.lastStep = -1;
+  state.summary = null;
+  state.ended = false;
   history.replaceState(null, "", `#job=${encodeURIComponent(jobId)}`);
   for (const tr of $("jobs-table").querySelectorAll("tbody tr")) {
     tr.classList.toggle("selected", tr.dataset.jobId === jobId);
   }
   $("job-pane").hidden = false;
-  refreshJob();
+  follow(jobId);
 }
 
 function renderLayers(layers) {
@@ -153,10 +167,13 @@ function renderSteps() {
   $("world-size").textContent = last ? last.world_size : "–";
 }
 
-function renderSummary(job, summary) {
-  $("job-title").textContent = `${job.name} · ${job.status}`;
-  const method = job.spec?.method ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
-  $("job-meta").textContent = `${job.id} · ${method}`;
+function renderSummary(summary) {
+  const job = state.jobs.get(summary.job_id);
+  if (job) {
+    $("job-title").textContent = `${job.name} · ${job.status}`;
+    const method = job.spec?.method ? `${job.spec.method} on ${job.spec.model}/${job.spec.dataset}` : job.entrypoint;
+    $("job-meta").textContent = `${job.id} · ${method}`;
+  }
   $("last-step").textContent = summary.last_step ?? "–";
   $("ratio").textContent = summary.bytes_sent ? `${fmt(summary.ratio, 2)}×` : "–";
   $("saved").textContent = summary.raw_bytes
@@ -164,29 +181,93 @@ function renderSummary(job, summary) {
   $("loss").textContent = fmt(summary.last_loss, 4);
 }
 
-async function refreshJob() {
-  const jobId = state.jobId;
-  if (!jobId) return;
-  const base = `/v1/jobs/${encodeURIComponent(jobId)}`;
-  // Re-read the newest step we hold: ranks that had not reported it yet may have since.
-  const after = Math.max(-1, state.lastStep - 1);
-  const [job, layers, steps, summary] = await Promise.all([
-    api(base), api(`${base}/metrics/layers`), api(`${base}/metrics/steps?after_step=${after}&limit=5000`),
-    api(`${base}/metrics/summary`),
-  ]);
-  if (jobId !== state.jobId) return; // the user picked another job meanwhile
-  for (const p of steps.items) state.steps.set(p.step, p);
-  if (steps.items.length) state.lastStep = Math.max(state.lastStep, steps.next_after_step);
-  renderSummary(job, summary);
-  renderLayers(layers);
-  renderSteps();
+// One server-sent event: true once the stream said `end`.
+function handleEvent(ev) {
+  if (!(ev.event in state.events)) return false;
+  state.events[ev.event] += 1;
+  const data = JSON.parse(ev.data);
+  if (ev.event === "step" || ev.event === "newest") {
+    state.steps.set(data.step, data);
+    if (ev.event === "step") state.lastStep = Math.max(state.lastStep, data.step);
+    state.stepsDirty = true;
+  } else if (ev.event === "summary") {
+    state.summary = data;
+    renderSummary(data);
+  } else if (ev.event === "layers") {
+    renderLayers(data);
+  } else if (ev.event === "end") {
+    state.ended = true;
+  }
+  return ev.event === "end";
+}
+
+function parseEvent(block) {
+  const ev = { event: "message", data: [], id: null };
+  for (const line of block.split("\n")) {
+    if (!line || line.startsWith(":")) continue; // a comment (keep-alive)
+    const i = line.indexOf(":");
+    const field = i < 0 ? line : line.slice(0, i);
+    const value = i < 0 ? "" : line.slice(i + 1).replace(/^ /, "");
+    if (field === "data") ev.data.push(value);
+    else if (field === "event") ev.event = value;
+    else if (field === "id") ev.id = value;
+  }
+  if (!ev.data.length) return null;
+  ev.data = ev.data.join("\n");
+  return ev;
+}
+
+// Read one stream until it ends (true) or drops (false).
+async function readStream(jobId, signal) {
+  const headers = { Accept: "text/event-stream" };
+  if (state.token) headers.Authorization = `Bearer ${state.token}`;
+  if (state.lastStep >= 0) headers["Last-Event-ID"] = String(state.lastStep);
+  const resp = await fetch(`/v1/jobs/${encodeURIComponent(jobId)}/metrics/stream`, { headers, signal });
+  if (resp.status === 401 || resp.status === 403) {
+    $("token-form").hidden = false;
+    throw new Error("this service guards reads: enter the API token");
+  }
+  if (!resp.ok) throw new Error(`metrics stream: HTTP ${resp.status}`);
+  $("conn").textContent = "live";
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return false;
+    buf += value.replace(/\r\n?/g, "\n");
+    let ended = false;
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const ev = parseEvent(buf.slice(0, cut));
+      buf = buf.slice(cut + 2);
+      if (ev && jobId === state.jobId) ended = handleEvent(ev) || ended;
+    }
+    if (state.stepsDirty) { state.stepsDirty = false; renderSteps(); }
+    $("conn").textContent = `live · updated ${new Date().toLocaleTimeString()}`;
+    if (ended) return true;
+  }
+}
+
+async function follow(jobId) {
+  const ctrl = new AbortController();
+  state.stream = ctrl;
+  while (state.jobId === jobId && !ctrl.signal.aborted) {
+    try {
+      if (await readStream(jobId, ctrl.signal)) {
+        $("conn").textContent = "job ended; all metrics shown";
+        return;
+      }
+    } catch (err) {
+      if (ctrl.signal.aborted) return;
+      $("conn").textContent = String(err.message || err);
+    }
+    await new Promise((resolve) => setTimeout(resolve, RETRY_MS));
+  }
 }
 
 async function tick() {
   try {
     renderJobs(await api("/v1/jobs?limit=100"));
-    await refreshJob();
-    $("conn").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
     $("conn").textContent = String(err.message || err);
   } finally {

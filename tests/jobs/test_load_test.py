@@ -1,6 +1,7 @@
-"""Smoke test of `python -m jobs.load_test`: a few seconds of pollers against the real service
-(uvicorn subprocess) while records are persisted. Asserts no errors and that figures came
-out; never asserts speed (figures are printed by the script, see docs/operations.md)."""
+"""Smoke test of `python -m jobs.load_test`: a few seconds of pollers and SSE streams against
+the real service (uvicorn subprocess) while a backlog and live steps of several jobs are
+stored. Asserts no errors and that every figure came out; never asserts speed (figures are
+printed by the script, see docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_load_test_runs_clean_and_reports_figures() -> None:
     cmd = [
-        sys.executable, "-m", "jobs.load_test", "--source", "direct", "--pollers", "10",
-        "--duration-s", "2", "--poll-interval-s", "0.2", "--records", "5000", "--timeout-s", "60",
+        sys.executable, "-m", "jobs.load_test", "--source", "direct", "--jobs", "2", "--ranks", "3",
+        "--layers", "8", "--backlog-steps", "20", "--step-interval-s", "0.5", "--pollers", "6",
+        "--streams", "2", "--duration-s", "4", "--poll-interval-s", "0.2", "--drain-timeout-s", "20",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["errors"] == 0, out["first_errors"]
-    assert out["requests"] > 0 and out["p50_ms"] > 0 and out["p99_ms"] >= out["p50_ms"]
-    assert out["records_stored"] == out["records_target"] == 5000
-    assert out["ingest_records_per_s"] > 0
+    assert set(out["routes"]) == {"layers", "steps", "summary"}
+    for route in out["routes"].values():
+        assert route["requests"] > 0 and route["p99_ms"] >= route["p50_ms"] > 0
+    per_step = 3 * (8 + 1)
+    assert out["backlog_records"] == 2 * 20 * per_step
+    assert out["records_stored"] >= out["backlog_records"] and out["records_stored"] % per_step == 0
+    assert out["ingest_records_per_s"] > 0 and out["caught_up_s"] > 0
+    assert out["lag_steps"] > 0 and out["lag_p99_s"] >= out["lag_p50_s"] >= 0
+    assert out["stream_events"] > 0 and out["stream_delay_p50_ms"] is not None

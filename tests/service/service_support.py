@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +17,7 @@ import uvicorn
 from service.ray_head import HeadPorts, LocalRayHead, free_port, short_temp_dir
 from service.serve import uvicorn_config
 from service.settings import Settings
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, Storage, parse_storage_url
 from tail_ray.metrics.records import LayerMetric, StepMetric
 
 API_TOKEN = "test-token-0123456789abcdef"
@@ -43,10 +45,11 @@ def ray_cluster(tmp_dir: Path, num_cpus: int = 2) -> Iterator[LocalRayHead]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def make_settings(db_path: Path, head: LocalRayHead | None, **overrides: Any) -> Settings:
+def make_settings(db: Path | str, head: LocalRayHead | None, **overrides: Any) -> Settings:
+    """Test settings; ``db`` is a SQLite path or a database URL (either backend)."""
     values: dict[str, Any] = {
         "api_token": API_TOKEN,
-        "db_path": db_path,
+        "database_url": db if isinstance(db, str) else f"sqlite://{db}",
         "ingest_interval_s": 0.2,
         "sync_interval_s": 0.5,
         "drain_grace_s": 0.5,
@@ -97,6 +100,20 @@ def step_records(
             ).to_dict()
         )  # fmt: skip
     return out
+
+
+def raw_rows(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Run SQL (``?`` placeholders) on a fresh connection of the backend a URL names, outside
+    the storage code under test, and commit: for recomputations and sabotage in tests."""
+    backend, target = parse_storage_url(url)
+    if backend == "sqlite":
+        with contextlib.closing(sqlite3.connect(target, isolation_level=None)) as conn:
+            return [tuple(r) for r in conn.execute(sql, params).fetchall()]
+    import psycopg
+
+    with psycopg.connect(target, autocommit=True) as conn:
+        cur = conn.execute(sql.replace("?", "%s").encode() if params else sql.encode(), params or None)
+        return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
 
 def seed_finished_job(storage: Storage, job_id: str, steps: int) -> None:

@@ -1,8 +1,10 @@
-"""The dashboard in a real headless Chromium: it shows the job's layers and follows new steps.
+"""The dashboard in a real headless Chromium: it shows the job's layers and follows new steps
+over server-sent events (one stream, no polling of the metric routes) until the job ends.
 Steps are driven by pushing records into the job's real sink actor."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from service_support import (
 )
 
 from service.ray_head import LocalRayHead
-from service.storage import Storage
+from service.storage import open_storage
 from tail_ray.metrics.sink import get_or_create_sink
 
 pytestmark = [pytest.mark.ray, pytest.mark.browser]
@@ -52,16 +54,19 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
     db = tmp_path / "db.sqlite"
     job_id = "browser-job"
     spec = {"method": "tail", "model": "digits_cnn", "dataset": "digits"}
-    Storage(db).insert_job(
-        job_id=job_id,
-        name="live-digits",
-        source="api",
-        status="RUNNING",
-        entrypoint="python -m jobs.train",
-        spec=spec,
-    )
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id=job_id,
+            name="live-digits",
+            source="api",
+            status="RUNNING",
+            entrypoint="python -m jobs.train",
+            spec=spec,
+        )
     _push(job_id, range(3), ratio_scale=1.0)
     with LiveServer(make_settings(db, head)) as server:
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
         page.goto(f"{server.url}/?poll_ms=300#job={job_id}")
         page.wait_for_function(
             "n => window.tailDashboard.charts.layer.data.labels.length === n", arg=len(LAYERS), timeout=30_000
@@ -92,6 +97,25 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         assert steps_in_table == ["5"] * len(LAYERS)
         assert page.locator("#world-size").inner_text() == "2"
         assert page.locator("#ratio").inner_text().endswith("\u00d7")  # the multiplication sign
+
+        # All of that came over one server-sent-event stream: the page never polled the metric
+        # routes, and it got step, summary and layers events for both rounds of steps.
+        streams = [u for u in requests if u.endswith(f"/v1/jobs/{job_id}/metrics/stream")]
+        polled = [u for u in requests if "/metrics/" in u and "/metrics/stream" not in u]
+        assert len(streams) == 1 and polled == [], (streams, polled)
+        events = page.evaluate("() => window.tailDashboard.state.events")
+        assert events["step"] >= 5 and events["summary"] >= 2 and events["layers"] >= 2, events
+        assert not page.evaluate("() => window.tailDashboard.state.ended")
+
+        # The job ends: its metrics drain, step 5 becomes final, and the stream says `end`.
+        with open_storage(db) as store:
+            store.update_job_status(job_id, "SUCCEEDED", ended_at=time.time() - 60)
+        page.wait_for_function("() => window.tailDashboard.state.ended", timeout=30_000)
+        assert page.evaluate("() => window.tailDashboard.state.lastStep") == 5
+        assert page.locator("#conn").inner_text() == "job ended; all metrics shown"
+        page.wait_for_function(
+            "() => document.getElementById('job-title').textContent.endsWith('SUCCEEDED')", timeout=30_000
+        )
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
 
 
@@ -100,10 +124,11 @@ def test_guarded_reads_ask_for_the_token_once_per_tab(tmp_path: Path, page: Page
     page asks for it once, keeps it for the tab (sessionStorage: a reload does not ask again)
     and never writes it to localStorage."""
     db = tmp_path / "db.sqlite"
-    Storage(db).insert_job(
-        job_id="guarded-job", name="guarded", source="api", status="SUCCEEDED",
-        entrypoint="python -m jobs.train", spec={"method": "tail"},
-    )  # fmt: skip
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id="guarded-job", name="guarded", source="api", status="SUCCEEDED",
+            entrypoint="python -m jobs.train", spec={"method": "tail"},
+        )  # fmt: skip
     with LiveServer(make_settings(db, None, read_requires_token=True)) as server:
         page.goto(f"{server.url}/?poll_ms=300")
         page.wait_for_selector("#token-form:not([hidden])", timeout=30_000)

@@ -17,7 +17,7 @@ import pytest
 from service_support import API_TOKEN, LiveServer, make_settings, seed_finished_job
 
 from service import cli
-from service.storage import Storage
+from service.storage import open_storage
 from service.terminal import Output
 
 ESC = "\x1b["
@@ -26,9 +26,9 @@ ESC = "\x1b["
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[LiveServer]:
     db = tmp_path / "db.sqlite"
-    store = Storage(db)
-    for job_id in ("done-a", "done-b"):
-        seed_finished_job(store, job_id, steps=3)
+    with open_storage(db) as store:
+        for job_id in ("done-a", "done-b"):
+            seed_finished_job(store, job_id, steps=3)
     with LiveServer(make_settings(db, None)) as live:
         yield live
 

@@ -15,7 +15,7 @@ from service_support import API_TOKEN, AUTH, LiveServer, chromium_page, make_set
 
 from service import cli
 from service.ray_head import LocalRayHead
-from service.storage import Storage
+from service.storage import open_storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.browser, pytest.mark.slow]
 
@@ -80,7 +80,7 @@ def test_real_tail_job_live_in_the_browser_and_across_a_service_restart(
             r > 0 for r in page.evaluate("() => window.tailDashboard.charts.layer.data.datasets[0].data")
         )
     # The service is down now; the job keeps training and its sink keeps buffering.
-    store = Storage(db)
+    store = open_storage(db)
     before = store.seqs(job_id)
     assert before and before == list(range(1, len(before) + 1))
 

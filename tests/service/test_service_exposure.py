@@ -18,7 +18,7 @@ from service_support import AUTH, LiveServer, make_settings
 
 from service.main import create_app
 from service.stack import secure_home
-from service.storage import Storage
+from service.storage import open_storage
 
 HEAD_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -153,7 +153,8 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(server: LiveServer) -
 
 def test_files_are_owner_only(tmp_path: Path) -> None:
     db = tmp_path / "new" / "service.sqlite"
-    Storage(db).insert_job(job_id="j", name="j", source="api", status="PENDING", entrypoint="e", spec=None)
+    with open_storage(db) as store:
+        store.insert_job(job_id="j", name="j", source="api", status="PENDING", entrypoint="e", spec=None)
     assert stat.S_IMODE(db.stat().st_mode) == 0o600
     assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
     # ~/.tail_ray as an older version left it: 0755, files 0644.

@@ -1,10 +1,8 @@
 """Per-layer figures through the API the dashboard reads, for every code: real compressors make
-the metrics two workers would send, a real SQLite file stores them, and
-``GET /v1/jobs/{id}/metrics/layers`` serves them (no Ray: records are ingested directly)."""
+the metrics two workers would send, a real database stores them (a SQLite file and a PostgreSQL
+server), and ``GET /v1/jobs/{id}/metrics/layers`` serves them (no Ray: records are ingested directly)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from fastapi.testclient import TestClient
 from service_support import AUTH, make_settings
 
 from service.main import create_app
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, open_storage
 from tail_ray.compression import make_compressor
 from tail_ray.metrics.records import LayerMetric
 
@@ -61,14 +59,14 @@ def _records(job_id: str, step: int, rank: int) -> list[dict[str, object]]:
     return out
 
 
-def test_layer_figures_through_the_api_for_every_code(tmp_path: Path) -> None:
-    db = tmp_path / "tail.sqlite"
-    store = Storage(db)
-    store.insert_job(
-        job_id="digits", name="digits", source="api", status="RUNNING", entrypoint="x", spec=None
-    )
+def test_layer_figures_through_the_api_for_every_code(storage_url: str) -> None:
+    db = storage_url
     sent = [r for step in (0, 1) for rank in (0, 1) for r in _records("digits", step, rank)]
-    store.ingest("digits", IngestBatch([{"seq": i + 1, **r} for i, r in enumerate(sent)], len(sent)))
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id="digits", name="digits", source="api", status="RUNNING", entrypoint="x", spec=None
+        )
+        store.ingest("digits", IngestBatch([{"seq": i + 1, **r} for i, r in enumerate(sent)], len(sent)))
 
     with TestClient(create_app(make_settings(db, None))) as client:
         resp = client.get("/v1/jobs/digits/metrics/layers", headers=AUTH)
@@ -91,17 +89,17 @@ def test_layer_figures_through_the_api_for_every_code(tmp_path: Path) -> None:
     assert 0 < served["fc1.weight"]["density"] < 0.05  # the sparse layer is sparse
 
 
-def test_a_density_outside_0_1_from_an_old_worker_is_stored_as_unknown(tmp_path: Path) -> None:
+def test_a_density_outside_0_1_from_an_old_worker_is_stored_as_unknown(storage_url: str) -> None:
     """Workers of an older release sent -134,217,727.6; storage keeps such a share as null
     (shown as unknown) instead of averaging it into the dashboard."""
-    db = tmp_path / "tail.sqlite"
-    store = Storage(db)
-    store.insert_job(job_id="old", name="old", source="api", status="RUNNING", entrypoint="x", spec=None)
+    db = storage_url
     bad = LayerMetric(
         job_id="old", step=0, rank=0, layer="fc1.weight", numel=8192, bits=4, density=-134_217_727.6,
         raw_bytes=32768, encoded_bytes=900, ratio=32768 / 900, rel_error=0.03, code="sparse-rans",
     )  # fmt: skip
-    store.ingest("old", IngestBatch([{"seq": 1, **bad.to_dict()}], 1))
+    with open_storage(db) as store:
+        store.insert_job(job_id="old", name="old", source="api", status="RUNNING", entrypoint="x", spec=None)
+        store.ingest("old", IngestBatch([{"seq": 1, **bad.to_dict()}], 1))
     with TestClient(create_app(make_settings(db, None))) as client:
         (row,) = client.get("/v1/jobs/old/metrics/layers", headers=AUTH).json()
     assert row["density"] is None and row["encoded_bytes"] == 900

@@ -35,7 +35,7 @@ from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 from service_support import API_TOKEN, LiveServer, make_settings, ray_cluster, seed_finished_job
 
-from service.storage import Storage
+from service.storage import open_storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -91,7 +91,8 @@ def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     empty = tmp / "empty-working-dir"
     empty.mkdir()
     db_path = tmp / "db.sqlite"
-    seed_finished_job(Storage(db_path), DONE_JOB, steps=3)
+    with open_storage(db_path) as store:
+        seed_finished_job(store, DONE_JOB, steps=3)
     with ray_cluster(tmp, num_cpus=1) as head:
         app_settings = make_settings(db_path, head, job_working_dir=empty)
         with LiveServer(app_settings) as server:

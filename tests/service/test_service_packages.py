@@ -163,3 +163,14 @@ def test_custom_job_specs_are_checked_before_anything_is_stored(client: TestClie
         "working_dir": package,
         "pip": ["numpy>=1.26"],
     }
+
+
+def test_packages_sit_beside_the_sqlite_file_the_service_opens(tmp_path: Path) -> None:
+    """database_url (not db_path) may name the SQLite file: packages go beside that one, not
+    beside db_path's default in the HOME (where every test's uploads once met)."""
+    settings = make_settings(f"sqlite://{tmp_path / 'here' / 'db.sqlite'}", None)
+    assert settings.package_root() == tmp_path / "here" / "packages"
+    on_postgres = make_settings("postgresql://u@127.0.0.1:1/d", None)
+    assert on_postgres.package_root().parent == on_postgres.db_path.parent
+    chosen = make_settings(tmp_path / "db.sqlite", None, packages_dir=tmp_path / "p")
+    assert chosen.package_root() == tmp_path / "p"

@@ -5,7 +5,7 @@ the jobs and their metrics are written through Storage, as the ingester writes t
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 from service_support import AUTH, make_settings, step_records
 
 from service.main import create_app
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, Storage, open_storage
 
 # A layer name with every character the text formats must escape in a label value.
 ODD_LAYER = 'blocks.0."attn"\\proj\nweight'
@@ -39,11 +39,11 @@ def _samples(families: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 
 @pytest.fixture
-def scraped(tmp_path: Path) -> tuple[Storage, dict[str, tuple[str, str]]]:
+def scraped(storage_url: str) -> Iterator[tuple[Storage, dict[str, tuple[str, str]]]]:
     """(storage, {format: (content type, body)}) of one app over four jobs, capped at the newest
-    two jobs and two layers each."""
-    db = tmp_path / "db.sqlite"
-    store = Storage(db)
+    two jobs and two layers each; on both backends."""
+    db = storage_url
+    store = open_storage(db)
     for i in range(4):
         _seed(store, f"job-{i}", steps=2 + i)
     settings = make_settings(db, None, prometheus_max_jobs=2, prometheus_max_layers=2)
@@ -51,10 +51,11 @@ def scraped(tmp_path: Path) -> tuple[Storage, dict[str, tuple[str, str]]]:
         text = client.get("/metrics", headers=AUTH)
         om = client.get("/metrics", headers={**AUTH, "Accept": "application/openmetrics-text"})
     assert text.status_code == om.status_code == 200
-    return store, {
+    yield store, {
         "text": (text.headers["content-type"], text.text),
         "openmetrics": (om.headers["content-type"], om.text),
     }
+    store.close()
 
 
 def test_both_formats_parse_and_carry_the_same_stored_figures(scraped) -> None:

@@ -3,14 +3,18 @@ an ingest (or a drain) changes the job."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import threading
+import time
+from collections.abc import Callable
 
+import pytest
 from fastapi.testclient import TestClient
 from service_support import make_settings, step_records
 
 from service.main import create_app
+from service.read_cache import ReadCache
 from service.schemas import LayerLatest, MetricsSummary, StepPoint
-from service.storage import IngestBatch, Storage
+from service.storage import IngestBatch, Storage, open_storage
 
 
 def _ingest_step(store: Storage, step: int, ratio_scale: float = 1.0) -> None:
@@ -27,9 +31,9 @@ def _uncached(store: Storage) -> dict[str, object]:
     }
 
 
-def test_cached_reads_follow_every_ingest_and_the_drain(tmp_path: Path) -> None:
-    db = tmp_path / "db.sqlite"
-    store = Storage(db)
+def test_cached_reads_follow_every_ingest_and_the_drain(storage_url: str) -> None:
+    db = storage_url
+    store = open_storage(db)
     store.insert_job(job_id="j1", name="j1", source="api", status="RUNNING", entrypoint="x", spec=None)
     with TestClient(create_app(make_settings(db, None))) as client:
         base = "/v1/jobs/j1/metrics"
@@ -53,3 +57,50 @@ def test_cached_reads_follow_every_ingest_and_the_drain(tmp_path: Path) -> None:
         assert client.get(f"{base}/summary").json()["ingest"]["drained"] is True
         cache = client.app.state.read_cache
         assert cache.hits >= 9 and cache.misses >= 15
+    store.close()
+
+
+def _read_while_the_build_waits(read: Callable[[], object], readers: int, gate: threading.Event) -> None:
+    """``readers`` threads run ``read`` while the build blocks on ``gate``; then it is let go."""
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join(5)
+
+
+def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
+    """Single flight: a hundred dashboards reading right after an ingest commit run the query
+    once; a failed build fails every reader that waited for it, and the next read retries."""
+    cache, calls, gate = ReadCache(), [], threading.Event()
+
+    def build() -> str:
+        calls.append(1)
+        gate.wait(5)  # slow enough that every reader arrives while it runs
+        return "value"
+
+    results: list[str] = []
+    _read_while_the_build_waits(lambda: results.append(cache.get("k", 1, build)), 20, gate)
+    assert results == ["value"] * 20 and len(calls) == 1
+    assert (cache.misses, cache.hits) == (1, 19)
+
+    def failing() -> str:
+        gate.wait(5)
+        raise RuntimeError("database restarting")
+
+    gate.clear()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            cache.get("k", 2, failing)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    _read_while_the_build_waits(read, 5, gate)
+    assert len(errors) == 5
+    assert cache.get("k", 2, lambda: "recovered") == "recovered"
+    with pytest.raises(RuntimeError):
+        cache.get("k", 3, failing)

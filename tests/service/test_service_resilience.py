@@ -29,7 +29,7 @@ from service_support import make_settings, step_records, wait_for
 from service.main import create_app
 from service.ray_head import HeadPorts, LocalRayHead, free_port, read_token_file
 from service.settings import REPO_ROOT
-from service.storage import Storage
+from service.storage import open_storage
 from tail_ray.metrics.sink import get_or_create_sink
 
 pytestmark = pytest.mark.ray
@@ -48,14 +48,15 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
 
 
 def _insert_running_job(db: Path, job_id: str) -> None:
-    Storage(db).insert_job(
-        job_id=job_id,
-        name=job_id,
-        source="ray",
-        status="RUNNING",
-        entrypoint="python -m jobs.train",
-        spec=None,
-    )
+    with open_storage(db) as store:
+        store.insert_job(
+            job_id=job_id,
+            name=job_id,
+            source="ray",
+            status="RUNNING",
+            entrypoint="python -m jobs.train",
+            spec=None,
+        )
 
 
 def test_sink_overflow_is_counted_and_visible_in_the_api(head: LocalRayHead, tmp_path: Path) -> None:
@@ -83,7 +84,8 @@ def test_sink_overflow_is_counted_and_visible_in_the_api(head: LocalRayHead, tmp
             assert ingest["missed"] == dropped  # asked for from seq 1, the first 50 were gone
             assert ingest["dropped_in_sink"] == dropped
             assert ingest["records"] == SINK_CAPACITY
-            assert Storage(db).seqs(job_id) == list(range(dropped + 1, pushed + 1))
+            with open_storage(db) as store:
+                assert store.seqs(job_id) == list(range(dropped + 1, pushed + 1))
             assert f'tail_ray_job_missed_records_total{{job_id="{job_id}"}} {float(dropped)}' in (
                 client.get("/metrics").text
             )

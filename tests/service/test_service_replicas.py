@@ -1,0 +1,145 @@
+"""Two replicas of the service on one PostgreSQL: both serve reads, exactly one ingests (an
+advisory lock), and when the ingesting one is killed mid-ingest (SIGKILL, no clean shutdown)
+the other takes over from the stored cursor: no record lost or stored twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from service_support import API_TOKEN, LAYERS, ray_cluster, step_records, wait_for
+
+from jobs.local_postgres import LocalPostgres
+from service.ray_head import LocalRayHead, free_port
+from service.storage import open_storage
+from tail_ray.metrics.sink import get_or_create_sink
+
+pytestmark = pytest.mark.ray
+REPO_ROOT = Path(__file__).resolve().parents[2]
+JOB_ID = "replicated-job"
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
+    with ray_cluster(tmp_path_factory.mktemp("ray")) as h:
+        yield h
+
+
+class Replica:
+    """One service process (uvicorn), as one pod of the two-replica Deployment."""
+
+    def __init__(self, name: str, url: str, head: LocalRayHead, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "TAIL_RAY_API_TOKEN": API_TOKEN,
+            "TAIL_RAY_DATABASE_URL": url,
+            "TAIL_RAY_RAY_ADDRESS": head.ports.gcs_address,
+            "TAIL_RAY_RAY_DASHBOARD_URL": head.ports.dashboard_url,
+            "TAIL_RAY_INGEST_INTERVAL_S": "0.1",
+            "TAIL_RAY_INGEST_BATCH_RECORDS": "45",  # many small transactions: a kill lands mid-ingest
+            "TAIL_RAY_SYNC_INTERVAL_S": "300",
+        }
+        cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.main:create_app", "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning"]  # fmt: skip
+        self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115  # closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(self._up, 90, f"replica {name} to serve")
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, f"replica exited with {self.proc.returncode}"
+        try:
+            return httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _gauge(self, name: str) -> float:
+        for line in httpx.get(f"{self.base}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} missing from /metrics")
+
+    def is_leader(self) -> bool:
+        return self._gauge("tail_ray_ingest_leader") == 1.0
+
+    def stored_here(self) -> int:
+        """Records this replica's own ingester stored."""
+        return int(self._gauge("tail_ray_ingest_stored_records_total"))
+
+    def cursor(self) -> int:
+        summary = httpx.get(f"{self.base}/v1/jobs/{JOB_ID}/metrics/summary", timeout=10).json()
+        return int(summary["ingest"]["cursor_seq"])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def test_killing_the_ingesting_replica_loses_and_doubles_nothing(
+    head: LocalRayHead, postgres_server: LocalPostgres, tmp_path: Path
+) -> None:
+    url = postgres_server.create_database()
+    with open_storage(url) as store:
+        store.insert_job(job_id=JOB_ID, name="replicated", source="ray", status="RUNNING",
+                         entrypoint="python -m jobs.train", spec=None)  # fmt: skip
+    sink = get_or_create_sink(JOB_ID)
+    pushed: list[int] = []
+    stop_pushing = threading.Event()
+
+    def train() -> None:  # a job's workers: one step every 20 ms while the replicas come and go
+        step = 0
+        while not stop_pushing.is_set():
+            pushed.append(int(ray.get(sink.push.remote(step_records(JOB_ID, step)))))
+            step += 1
+            time.sleep(0.02)
+
+    replicas = [Replica(name, url, head, tmp_path) for name in ("a", "b")]
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        leaders = wait_for(lambda: [r for r in replicas if r.is_leader()] or None, 30, "a leader")
+        assert len(leaders) == 1, "both replicas ingest"
+        leader = leaders[0]
+        (standby,) = [r for r in replicas if r is not leader]
+        wait_for(lambda: leader.cursor() > 500, 60, "the leader to ingest")
+        assert standby.cursor() > 0  # the standby serves reads from the same database
+        assert standby.stored_here() == 0 and leader.stored_here() > 0  # ... and ingests nothing
+        leader.stop(signal.SIGKILL)  # mid-ingest: pages of 45 records commit every few milliseconds
+        killed_at = standby.cursor()
+        wait_for(standby.is_leader, 30, "the standby to take over the ingester lease")
+        wait_for(lambda: standby.cursor() > killed_at + 500, 60, "the new leader to ingest")
+        assert standby.stored_here() > 0
+        stop_pushing.set()
+        trainer.join(timeout=30)
+        last = pushed[-1]
+        wait_for(lambda: standby.cursor() == last, 60, "the new leader to drain the sink")
+        with open_storage(url) as store:
+            seqs = store.seqs(JOB_ID)
+            summary = store.summary(JOB_ID)
+        assert seqs == list(range(1, last + 1))  # every record exactly once
+        steps = len(pushed)
+        assert summary["steps"] == steps and summary["last_step"] == steps - 1
+        per_step = step_records(JOB_ID, 0)
+        assert summary["raw_bytes"] == steps * sum(r["raw_bytes"] for r in per_step if r["type"] == "step")
+        assert summary["layers"] == len(LAYERS)
+    finally:
+        stop_pushing.set()
+        for r in replicas:
+            r.stop()
