@@ -2,7 +2,7 @@
 
 Two backends implement it: SQLite (``sqlite.py``, embedded, the default) and PostgreSQL
 (``postgres.py``, for deployments with more than one replica). The SQL both run is shared
-(``jobs.py``, ``ingest.py``, ``reads.py``, ``retention.py`` over ``sql.SqlStorage``); the
+(``jobs.py``, ``ingest.py``, ``reads.py``, ``retention.py`` over ``sql.SqlBase``); the
 backends differ only in connections, locks, bulk insert and migrations (``schema.py``).
 
 Every method is synchronous and thread-safe: the app calls them from worker threads

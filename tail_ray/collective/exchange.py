@@ -10,7 +10,8 @@ The payload hook (payload.py) runs one of these per bucket on a compressed step:
 Each drives compressors only through the ``Compressor`` contract, writes the mean over ranks
 into the bucket's gradient views (bit-identical on every rank), and reports what it did. Each
 also says what error feedback it still owes (``fold``: on a step the link-aware switch sends
-uncompressed) and checkpoints its own compressors (``owed_parts`` / ``load_parts``).
+uncompressed) and hands its own compressors to the hook's checkpoint (``compressors()``, by
+role) with what their residuals owe the mean (``owed_parts``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each has layers >= 64K elements so compression has something to bite on.
 
 - ``digits_cnn``: 2 conv + 2 fc on 8x8 digits (fc1.weight has 65,536 elements).
 - ``char_transformer``: a byte-level causal transformer LM (2 blocks, d_model 128).
-- ``synthetic_mlp``: a wide MLP (~4.5M parameters) for throughput and network benchmarks.
+- ``synthetic_mlp``: a wide MLP (~3.4M parameters) for throughput and network benchmarks.
 """
 
 from __future__ import annotations
