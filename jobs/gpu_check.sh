@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One-shot GPU check (issue 12), for a session that has a CUDA machine through the device tool:
+# One-shot GPU check (issue 12), on a machine with a CUDA GPU and the `gpu` extra installed:
 #
-#   run(command="bash jobs/gpu_check.sh", timeout_s=600)   # steps capped at 30+90+150+300 s
+#   OUT=results/ bash jobs/gpu_check.sh   # steps capped at 30+90+150+300 s
 #
 # It runs, in this order, each step's output teed to $OUT (what comes back from the machine):
 #   env.txt       nvidia-smi, python, torch / triton / numba / numpy versions
