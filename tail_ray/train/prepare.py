@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from tail_ray.methods import Method
 from tail_ray.train.ids import resolve_job_id
 from tail_ray.train.session import TrainSession, compression_settings
 from tail_ray.train.writers import MetricsWriter, open_writer
+
+# How long the closer may wait for the sink to take the last records once training returned.
+CLOSE_AFTER_TRAINING_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +160,8 @@ def prepare_model(
         local=local,
         flush_every_steps=flush_every_steps,
     )
+    if threading.current_thread() is not threading.main_thread():
+        _close_when_thread_ends(threading.current_thread(), _current)
     if rank == 0:
         logger.info(
             "tail-ray: method %s on %d worker(s); metrics of job %s go to %s",
@@ -167,9 +173,24 @@ def prepare_model(
     return prepared
 
 
+def _close_when_thread_ends(train_thread: threading.Thread, session: TrainSession) -> None:
+    """Hand the last records over as soon as ``train_thread`` (the one that prepared the model)
+    returns. Ray Train V2 runs the training function in a thread and ray.kill()s the worker
+    soon after it returns, so atexit never runs there; and a flush during training leaves
+    records queued while the sink still owes acknowledgements (training never waits), so
+    without this the last steps of a fast loop could be lost. The built-in runner closes its
+    session itself first (then this is a no-op)."""
+
+    def close_after() -> None:
+        train_thread.join()
+        session.close(timeout_s=CLOSE_AFTER_TRAINING_S)
+
+    threading.Thread(target=close_after, name="tail-ray-metrics-close", daemon=True).start()
+
+
 @atexit.register
 def _close_at_exit() -> None:
     # A plain script or torchrun process exits normally: hand the last records over. (A Ray
-    # Train worker is killed instead; its records were flushed at every step.)
+    # Train worker is killed instead: _close_when_thread_ends covers it.)
     if _current is not None:
         _current.close(timeout_s=2.0)

@@ -4,6 +4,8 @@ processes (DDP), a user's own model and loop, records from the optimizer's step 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,29 @@ def test_outside_ray_metrics_go_to_json_lines(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in (tmp_path / "files.rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["type"] == "step"] == [0, 1, 2]
     assert {r["layer"] for r in lines if r["type"] == "layer"} == {"weight", "bias"}
+
+
+def test_a_training_thread_that_returns_hands_its_last_records_over() -> None:
+    # Ray Train V2 runs the loop in a thread and kills the worker soon after it returns (no
+    # atexit there): the session must close, and so flush, when that thread ends.
+    writer = tt.ListWriter()
+
+    def loop() -> None:
+        model = tt.prepare_model(nn.Linear(16, 16), "qsgd", metrics=writer, job_id="threaded")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(4, 16)).square().mean().backward()
+            optimizer.step()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    deadline = time.monotonic() + 10
+    while not writer.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.closed, "the session was not closed when its training thread returned"
+    assert [r["step"] for r in _records(writer, "step")] == [0, 1, 2]
 
 
 def test_checkpoint_directory_keeps_the_controller_and_drops_residuals_on_resize(tmp_path: Path) -> None:
