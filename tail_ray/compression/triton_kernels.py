@@ -82,6 +82,17 @@ def _pack_store(sym, first_byte, byte_limit, out_ptr, GROUPS: tl.constexpr, BITS
 
 # Integer arguments that may be 1 (L at 2 bits, one rank, a bucket of 1) are not specialised:
 # Triton would turn them into constants, with other types than the kernels expect.
+@triton.jit
+def _load_fed(g_ptr, e_ptr, offs, mask, USE_E: tl.constexpr):
+    """The gradient plus its error-feedback residual (when USE_E), saturated: a huge finite
+    g + e stays finite, as grid.py's CPU path does. The one place every kernel reads it."""
+    x = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    if USE_E:
+        x = x + tl.load(e_ptr + offs, mask=mask, other=0.0)
+        x = tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX)
+    return x
+
+
 @triton.jit(do_not_specialize=["n", "bucket_size", "seed", "lmax", "packed_bytes"])
 def _quantize_kernel(
     g_ptr,
@@ -105,10 +116,7 @@ def _quantize_kernel(
     local = tl.arange(0, BLOCK)
     offs = lo + local
     mask = (local < bucket_size) & (offs < n)
-    x = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    if USE_E:
-        x = x + tl.load(e_ptr + offs, mask=mask, other=0.0)
-        x = tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX)  # saturate: a huge finite g + e stays finite
+    x = _load_fed(g_ptr, e_ptr, offs, mask, USE_E)
     ax = tl.abs(x)
     m = tl.max(ax, axis=0)
     tl.store(scales_ptr + k, m)
@@ -239,10 +247,7 @@ def _bucket_errors_kernel(
         for r in range(0, cnt, LANES):
             o = r + lane
             msk = o < cnt
-            x = tl.load(g_ptr + lo + o, mask=msk, other=0.0)
-            if USE_E:
-                x = x + tl.load(e_ptr + lo + o, mask=msk, other=0.0)
-                x = tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX)
+            x = _load_fed(g_ptr, e_ptr, lo + o, msk, USE_E)
             x64 = x.to(tl.float64)
             sq_lanes = sq_lanes + tl.where(msk, x64 * x64, 0.0)
             mx = tl.maximum(mx, tl.abs(x))
@@ -257,10 +262,7 @@ def _bucket_errors_kernel(
                 for r in range(0, cnt, LANES):
                     o = r + lane
                     msk = o < cnt
-                    x = tl.load(g_ptr + lo + o, mask=msk, other=0.0)
-                    if USE_E:
-                        x = x + tl.load(e_ptr + lo + o, mask=msk, other=0.0)
-                        x = tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX)
+                    x = _load_fed(g_ptr, e_ptr, lo + o, msk, USE_E)
                     y = (tl.abs(x) * pre) * inv
                     f = y - y.to(tl.int32).to(tl.float32)
                     frac = frac + tl.where(msk, f * (1.0 - f), 0.0)
