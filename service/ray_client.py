@@ -262,10 +262,26 @@ class RayGateway:
                 handle = self._sinks.get(job_id) or sink_mod.find_sink(job_id)
                 if handle is not None:
                     self._sinks[job_id] = handle
-                refs[job_id] = handle.read.remote(after_seq, limit) if handle is not None else None
+                refs[job_id] = _read_page(handle, after_seq, limit) if handle is not None else None
         except Exception as exc:
             raise self._unavailable("cannot reach the metrics sinks", exc) from None
         return refs
+
+    def answered_sink_pages(self, inflight: dict[str, ray.ObjectRef | None]) -> list[str]:
+        """The jobs whose page read has answered, waiting up to ``ray_timeout_s`` for the first
+        (a job with no sink answers at once; after the timeout, the oldest read is returned so
+        that ``sink_page`` reports it)."""
+        done = [job_id for job_id, ref in inflight.items() if ref is None]
+        refs = {ref: job_id for job_id, ref in inflight.items() if ref is not None}
+        if done or not refs:
+            return done or list(inflight)[:1]
+        try:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=self.settings.ray_timeout_s)
+            if ready:
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        except Exception as exc:
+            raise self._unavailable("cannot reach the metrics sinks", exc) from None
+        return [refs[ref] for ref in ready] or list(inflight)[:1]
 
     def sink_page(self, job_id: str, ref: ray.ObjectRef | None) -> dict[str, Any] | None:
         """The page a ``request_sink_pages`` read returned; None when the sink is gone."""
@@ -315,3 +331,14 @@ def _ray_job(d: Any) -> RayJob:
         start_time_s=d.start_time / 1000.0 if d.start_time else None,
         end_time_s=d.end_time / 1000.0 if d.end_time else None,
     )
+
+
+def _read_page(handle: ray.actor.ActorHandle, after_seq: int, limit: int) -> ray.ObjectRef:
+    """A columnar page (``read_columns``); a sink started by an older tail-ray, which has only
+    ``read``, answers with records (it is detached, so it can outlive a service upgrade)."""
+    method: Any
+    try:
+        method = handle.read_columns
+    except AttributeError:
+        method = handle.read
+    return method.remote(after_seq, limit)
