@@ -64,7 +64,8 @@ def store(storage_url: str) -> Any:
 
 
 def test_no_records_yet_is_an_empty_history(store: Storage) -> None:
-    assert store.layer_bits(JOB, 200) == {"first_step": None, "last_step": None, "step_width": 1, "layers": []}
+    empty = {"first_step": None, "last_step": None, "step_width": 1, "layers": []}
+    assert store.layer_bits(JOB, 200) == empty
 
 
 def test_every_step_is_its_own_window_while_they_fit(store: Storage) -> None:
