@@ -13,9 +13,12 @@ A rank that re-ran a step after a restart counts each of its records (the newest
 the other reads would need a window function over every record; each record's bits were
 really sent, and min/max cannot double count).
 
-Cost: one pass over the job's layer records (the ``(job_id, layer, step, ...)`` index finds
-them; retention bounds how many stay), grouped by (layer, window) in the database, so the
-answer is at most layers x ``max_points`` rows whatever the job's length.
+Cost: one pass over the job's layer records (in key order: the primary key finds them;
+retention bounds how many stay), grouped by (window, layer) in the database, so the answer is
+at most layers x ``max_points`` rows whatever the job's length. At 200k records (50 layers,
+2 ranks, 2,000 steps) that pass took ~0.15 s on SQLite and ~0.12-0.22 s on PostgreSQL here,
+once per ingest version (the read cache): cheap for a finished job, a real cost for a large
+running one, hence the dashboard's throttle.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ FROM layer_newest n WHERE n.job_id = ?
 # (step - lo) * points on a hostile step near 2**63. Workers count steps from 0; a negative
 # step (a worker's bug) counts in step 0's window, so every window is aligned at 0 (SQL's
 # division truncates toward zero, which would merge the windows either side of 0).
+# GROUP BY w first: grouping by layer first made SQLite's planner walk the layer index and
+# look up every record by key (0.45 s at 200k records); this way it scans the table in key
+# order and sorts (0.15 s, measured side by side). The order of the rows does not matter: Python orders them.
 _WINDOWS = """
 SELECT layer, (CASE WHEN step < 0 THEN 0 ELSE step END) / CAST(? AS BIGINT) AS w,
        MIN(seq) AS first_seq, MAX(step) AS step, MAX(numel) AS numel,
        CAST(AVG(bits) AS DOUBLE PRECISION) AS bits, MIN(bits) AS min_bits, MAX(bits) AS max_bits
 FROM layer_metrics WHERE job_id = ?
-GROUP BY layer, w
-ORDER BY layer, w
+GROUP BY w, layer
 """
 _BIGINT_MAX = 2**63 - 1
 
@@ -78,7 +83,7 @@ class LayerBitsSql(SqlBase):
             width = window_width(lo, hi, max_points)
             rows = tx.all(_WINDOWS, (width, job_id))
         layers: dict[str, dict[str, Any]] = {}
-        for r in rows:
+        for r in sorted(rows, key=lambda r: (r["layer"], r["w"])):
             series = layers.get(r["layer"])
             if series is None:
                 series = layers[r["layer"]] = {
