@@ -1,7 +1,8 @@
 """Convergence benchmark: every compression method, same seed and steps, W workers (default 2).
 
-    python -m jobs.bench_convergence [--quick] [--json PATH] [--tasks digits,lm] [--methods none,tail]
-                                     [--world-size W] [--collective auto|allgather|sharded|hierarchical]
+    python -m jobs.bench_convergence [--quick] [--json PATH] [--plot PNG] [--tasks digits,lm]
+                                     [--methods none,tail] [--world-size W]
+                                     [--collective auto|allgather|sharded|hierarchical]
 
 W worker processes joined by plain torch.distributed (gloo on 127.0.0.1, no Ray start-up)
 train each (task, method) through the SAME comm hook code the Ray Train jobs use
@@ -407,6 +408,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
                     print(f"  {name:<40} tau {taus[name]:.4f}  noise {noise.get(name, 0.0):.4f}")
 
 
+def write_bits_plot(results: list[dict[str, Any]], path: Path, titles: dict[str, str]) -> Path | None:
+    """The bits-over-steps heat map (jobs.report's), headless: matplotlib only when asked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    from jobs import report
+
+    return report.write_bits_plot(results, path, titles)
+
+
 def bits_over_steps(history: dict[str, list[int]], columns: int) -> tuple[list[int], dict[str, list[int]]]:
     """The steps to show (``columns`` evenly spaced, first and last included) and each
     quantized layer's bits at them; layers sent raw at every step are left out."""
@@ -444,6 +455,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps (about 2 minutes)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="also write a heat map of each tail row's bits per layer over steps (rank 0's) here",
+    )
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {sorted(TASKS)}")
     parser.add_argument(
         "--methods",
@@ -510,6 +527,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
+    if args.plot:
+        titles = {f"tail*{i + 1}": f"tail with {json.dumps(v)}" for i, v in enumerate(variants)}
+        if write_bits_plot(results, args.plot, titles) is None:
+            print(f"no tail row ran: {args.plot} not written")
+        else:
+            print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

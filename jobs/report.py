@@ -88,8 +88,16 @@ def plot_traffic_vs_accuracy(rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def plot_bits_per_layer(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """``bits_per_layer.png`` under ``out``: see ``write_bits_plot``."""
+    return write_bits_plot(rows, out / "bits_per_layer.png")
+
+
+def write_bits_plot(
+    rows: list[dict[str, Any]], path: Path, titles: dict[str, str] | None = None
+) -> Path | None:
     """One heat map per tail row: quantized layers down, steps across, colour = bits chosen
-    (overlapping step lines of a dozen layers could not be told apart)."""
+    (overlapping step lines of a dozen layers could not be told apart). ``titles`` names a
+    row's label in words (e.g. the settings of a ``tail*1`` variant). None without tail rows."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import BoundaryNorm, ListedColormap
@@ -108,13 +116,15 @@ def plot_bits_per_layer(rows: list[dict[str, Any]], out: Path) -> Path | None:
         grid = np.full((len(layers), steps), np.nan)
         for i, bits in enumerate(layers.values()):
             grid[i, : len(bits)] = [b if b < 32 else np.nan for b in bits]
+        changes = sum(int(np.count_nonzero(np.diff(row[~np.isnan(row)]))) for row in grid)
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
         ax.set_yticks(range(len(layers)), list(layers), fontsize=6)
         ax.set_xlabel("step")
-        ax.set_title(f"{r['task']} ({r['label']}): bits per layer over training", fontsize=9)
+        label = (titles or {}).get(r["label"], r["label"])
+        ax.set_title(f"{r['task']} ({label}): bits per layer over training, {changes} changes", fontsize=9)
         fig.colorbar(im, ax=ax, ticks=widths, label="bits")
     fig.tight_layout()
-    path = out / "bits_per_layer.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")  # long layer names on the y axis
     plt.close(fig)
     return path

@@ -52,13 +52,15 @@ class ReadCache:
         self.hits = 0  # answered without running build (cached, or another reader's build)
         self.misses = 0  # builds run
 
-    def recent(self, key: Hashable) -> object:
-        """The cached value of ``key`` if its data is younger than ``max_age_s``, else MISS."""
-        if self.max_age_s <= 0:
+    def recent(self, key: Hashable, max_age_s: float | None = None) -> object:
+        """The cached value of ``key`` if its data is younger than ``max_age_s`` (default: the
+        cache's), else MISS."""
+        max_age_s = self.max_age_s if max_age_s is None else max_age_s
+        if max_age_s <= 0:
             return MISS
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or time.monotonic() - entry[2] >= self.max_age_s:
+            if entry is None or time.monotonic() - entry[2] >= max_age_s:
                 return MISS
             self.hits += 1
             return entry[1]

@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from service.deps import IngestStatusDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.errors import InvalidHeader
+from service.layer_bits import DEFAULT_MAX_POINTS, MAX_MAX_POINTS, LayerBitsHistory, layer_bits_view
 from service.prometheus import render_prometheus
 from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepsPage
@@ -38,6 +39,25 @@ _STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
     return _json(layers_json(storage, cache, job.id))
+
+
+@router.get("/layers/bits", operation_id="get_layer_bits_history")
+def get_layer_bits_history(
+    job: JobDep,
+    storage: StorageDep,
+    cache: ReadCacheDep,
+    max_points: Annotated[
+        int,
+        Query(
+            ge=2,
+            le=MAX_MAX_POINTS,
+            description="Most windows per layer: the job's steps are cut into at most this many.",
+        ),
+    ] = DEFAULT_MAX_POINTS,
+) -> LayerBitsHistory:
+    """Per layer, its bits over the whole run (not only the newest step), downsampled to at most
+    ``max_points`` step windows: mean, min and max bits over the ranks' records in each."""
+    return layer_bits_view(storage, cache, job.id, max_points)
 
 
 @router.get("/steps", operation_id="get_step_metrics", response_model=StepsPage)

@@ -1,13 +1,18 @@
 // tail-ray dashboard. The selected job's metrics arrive as server-sent events (one stream per
 // page: GET /v1/jobs/{id}/metrics/stream, read with fetch so the API token can go in a header,
-// resumed with Last-Event-ID after a drop); only the job list is polled. No build step, no
-// network beyond this service: Chart.js is vendored under /static/vendor.
+// resumed with Last-Event-ID after a drop); only the job list is polled, and the bits heat map
+// (bits.js) is refetched when the stream says the metrics changed. No build step, no network
+// beyond this service: Chart.js is vendored under /static/vendor.
 "use strict";
 
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(250, Number(params.get("poll_ms")) || 3000); // the job list
 const RETRY_MS = 3000; // reconnect delay after the stream drops
 const MAX_POINTS = 5000;
+// The bits heat map is refetched when the stream says the metrics changed, at most this often
+// (one query over the job's layer records; ?bits_ms= to change).
+const BITS_MS = Math.max(250, Number(params.get("bits_ms")) || 5000);
+const BITS_POINTS = 200; // step windows per layer
 
 const state = {
   // The API token lives for this tab only (sessionStorage): asked once, never written to disk.
@@ -20,6 +25,7 @@ const state = {
   stream: null, // AbortController of the open stream
   events: { step: 0, newest: 0, summary: 0, layers: 0, end: 0 }, // received, for the tests
   stepsDirty: false,
+  bits: { timer: null, inFlight: false, pending: false, lastAt: 0, history: null, fetches: 0 },
   ended: false,
   timer: null,
 };
@@ -89,8 +95,10 @@ const charts = {
   }),
 };
 
+const bitsChart = new BitsHeatmap($("bits-chart"), $("bits-status"));
+
 // Exposed for the browser tests and for poking at from the devtools console.
-window.tailDashboard = { state, charts };
+window.tailDashboard = { state, charts, bitsChart };
 
 function renderJobs(page) {
   const tbody = $("jobs-table").querySelector("tbody");
@@ -124,6 +132,9 @@ function selectJob(jobId) {
   state.lastStep = -1;
   state.summary = null;
   state.ended = false;
+  clearTimeout(state.bits.timer);
+  Object.assign(state.bits, { timer: null, pending: false, lastAt: 0, history: null });
+  bitsChart.clear("waiting for layer metrics");
   history.replaceState(null, "", `#job=${encodeURIComponent(jobId)}`);
   for (const tr of $("jobs-table").querySelectorAll("tbody tr")) {
     tr.classList.toggle("selected", tr.dataset.jobId === jobId);
@@ -149,6 +160,34 @@ function renderLayers(layers) {
       tr.append(td);
     }
     tbody.append(tr);
+  }
+}
+
+// The heat map follows the stream: a `layers` event (the metrics changed) schedules one fetch,
+// throttled to BITS_MS; a change that arrives while a fetch is in flight makes one more.
+function scheduleBits() {
+  const b = state.bits;
+  if (b.timer) return; // the fetch it will make reads the newest metrics
+  if (b.inFlight) { b.pending = true; return; } // that fetch may predate the change
+  b.timer = setTimeout(loadBits, Math.max(0, b.lastAt + BITS_MS - Date.now()));
+}
+
+async function loadBits() {
+  const b = state.bits;
+  const jobId = state.jobId;
+  Object.assign(b, { timer: null, pending: false, inFlight: true, lastAt: Date.now() });
+  try {
+    const history = await api(`/v1/jobs/${encodeURIComponent(jobId)}/metrics/layers/bits?max_points=${BITS_POINTS}`);
+    if (jobId === state.jobId) {
+      b.history = history;
+      b.fetches += 1;
+      bitsChart.draw(history);
+    }
+  } catch (err) {
+    if (jobId === state.jobId) $("bits-status").textContent = String(err.message || err);
+  } finally {
+    b.inFlight = false;
+    if (b.pending && jobId === state.jobId) scheduleBits();
   }
 }
 
@@ -195,8 +234,10 @@ function handleEvent(ev) {
     renderSummary(data);
   } else if (ev.event === "layers") {
     renderLayers(data);
+    scheduleBits();
   } else if (ev.event === "end") {
     state.ended = true;
+    scheduleBits(); // the drained job's final history
   }
   return ev.event === "end";
 }

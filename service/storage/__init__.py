@@ -6,8 +6,8 @@ One interface (``base.Storage``), two backends chosen by a URL (``open_storage``
 - ``postgresql://user:password@host:port/database``: a server; several replicas, one ingester.
 
 Layout: ``schema`` (migrations, both backends), ``jobs`` / ``ingest`` / ``reads`` /
-``retention`` (the SQL, shared), ``records`` (record -> row conversion, no SQL), ``sqlite`` and
-``postgres`` (connections, locks, bulk insert).
+``layer_bits`` / ``retention`` (the SQL, shared), ``records`` (record -> row conversion, no
+SQL), ``sqlite`` and ``postgres`` (connections, locks, bulk insert).
 """
 
 from __future__ import annotations

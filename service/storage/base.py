@@ -225,6 +225,10 @@ class Storage(ABC):
     @abstractmethod
     def summary(self, job_id: str) -> dict[str, Any]: ...
 
+    @abstractmethod
+    def layer_bits(self, job_id: str, max_points: int) -> dict[str, Any]:
+        """Per layer, its bits over steps in at most ``max_points`` windows (layer_bits.py)."""
+
     # ---------------------------------------------------------------- retention and size
     @abstractmethod
     def apply_retention(self, job_id: str, policy: RetentionPolicy) -> int:

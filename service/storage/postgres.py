@@ -33,6 +33,7 @@ from psycopg_pool import ConnectionPool
 from service.storage.base import LeaderLease, StorageError
 from service.storage.ingest import IngestSql
 from service.storage.jobs import JobsSql
+from service.storage.layer_bits import LayerBitsSql
 from service.storage.reads import ReadsSql
 from service.storage.retention import RetentionSql
 from service.storage.schema import POSTGRES_MIGRATIONS
@@ -175,7 +176,7 @@ def _configure_reader(conn: psycopg.Connection[Any]) -> None:
     conn.read_only = True
 
 
-class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
+class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql, LayerBitsSql):
     backend = "postgresql"
 
     def __init__(self, url: str, max_readers: int = 16, max_writers: int = 4) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from service.storage.base import LeaderLease, StorageError
 from service.storage.ingest import IngestSql
 from service.storage.jobs import JobsSql
+from service.storage.layer_bits import LayerBitsSql
 from service.storage.reads import ReadsSql
 from service.storage.retention import RetentionSql
 from service.storage.schema import SQLITE_MIGRATIONS, sqlite_statements
@@ -96,7 +97,7 @@ class _FlockLease(LeaderLease):
         return self._fd is not None
 
 
-class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql):
+class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql, LayerBitsSql):
     backend = "sqlite"
     layer_join = "CROSS JOIN layer_metrics m INDEXED BY layer_metrics_by_layer"
 

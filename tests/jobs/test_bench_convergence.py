@@ -22,7 +22,8 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
         "300",
     ]
     variant = ["--tail-variant", '{"allocation": "model"}']
-    bench_convergence.main([*args, *variant, "--json", str(out)])
+    plot = tmp_path / "img" / "bits.png"
+    bench_convergence.main([*args, *variant, "--json", str(out), "--plot", str(plot)])
     rows = json.loads(out.read_text())
     assert [r["label"] for r in rows] == ["none", "tail", "tail*1"]
     assert {r["seed"] for r in rows} == {3}
@@ -41,6 +42,9 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
     assert "[digits / tail*1] bits per layer over steps" in printed
+    # --plot: the heat map of both tail rows, a real PNG (its folder made on the way).
+    assert f"wrote {plot}" in printed
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and plot.stat().st_size > 10_000
 
 
 def test_bits_over_steps_samples_evenly_and_drops_raw_layers():

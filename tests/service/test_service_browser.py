@@ -1,6 +1,7 @@
 """The dashboard in a real headless Chromium: it shows the job's layers and follows new steps
-over server-sent events (one stream, no polling of the metric routes) until the job ends.
-Steps are driven by pushing records into the job's real sink actor."""
+over server-sent events (one stream, no polling of the metric routes) until the job ends, and
+draws every layer's bits over the steps (a heat map refetched only when the stream says the
+metrics changed). Steps are driven by pushing records into the job's real sink actor."""
 
 from __future__ import annotations
 
@@ -50,6 +51,40 @@ def _layer_ratios(page: Page) -> list[float]:
     return page.evaluate("() => window.tailDashboard.charts.layer.data.datasets[0].data")
 
 
+def _bits_pixel(page: Page, row: int, column: int) -> list[int]:
+    """The RGB the heat map painted at a cell's centre (device pixels)."""
+    return page.evaluate(
+        """([row, column]) => {
+            const chart = window.tailDashboard.bitsChart;
+            const { x, y } = chart.cellCentre(row, column);
+            const dpr = window.devicePixelRatio || 1;
+            const ctx = chart.canvas.getContext("2d");
+            const px = ctx.getImageData(Math.round(x * dpr), Math.round(y * dpr), 1, 1);
+            return Array.from(px.data.slice(0, 3));
+        }""",
+        [row, column],
+    )
+
+
+def _check_bits_heat_map(page: Page, steps: int) -> None:
+    """The heat map shows every layer, one column per step, the bits the records said
+    (``step_records``: 2 + (layer + step) % 6 on both ranks), in the colour of those bits."""
+    page.wait_for_function(
+        "n => window.tailDashboard.bitsChart.model?.columns === n", arg=steps, timeout=30_000
+    )
+    model = page.evaluate("() => window.tailDashboard.bitsChart.model")
+    assert model["layers"] == list(LAYERS) and model["width"] == 1
+    drawn = [[cell["bits"] for cell in row] for row in model["cells"]]
+    assert drawn == [[2 + (i + s) % 6 for s in range(steps)] for i in range(len(LAYERS))]
+    assert all(cell["min"] == cell["max"] for row in model["cells"] for cell in row)  # ranks agreed
+    # Different bits, different colours; the same bits (2: layer 0 at step 0, layer 1 at 5), the same.
+    two, three = _bits_pixel(page, 0, 0), _bits_pixel(page, 0, 1)
+    assert two != three, (two, three)
+    if steps > 5:
+        assert _bits_pixel(page, 1, 5) == two
+    assert page.locator("#bits-status").inner_text().startswith(f"steps 0\u2013{steps - 1}")
+
+
 def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_path: Path, page: Page) -> None:
     db = tmp_path / "db.sqlite"
     job_id = "browser-job"
@@ -67,7 +102,7 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
     with LiveServer(make_settings(db, head)) as server:
         requests: list[str] = []
         page.on("request", lambda request: requests.append(request.url))
-        page.goto(f"{server.url}/?poll_ms=300#job={job_id}")
+        page.goto(f"{server.url}/?poll_ms=300&bits_ms=300#job={job_id}")
         page.wait_for_function(
             "n => window.tailDashboard.charts.layer.data.labels.length === n", arg=len(LAYERS), timeout=30_000
         )
@@ -82,6 +117,7 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         before = _layer_ratios(page)
         assert all(r > 1 for r in before)
         assert page.evaluate("() => window.tailDashboard.charts.traffic.data.labels.length") == 3
+        _check_bits_heat_map(page, steps=3)
 
         _push(job_id, range(3, 6), ratio_scale=3.0)  # training moves on; compression tightens
         page.wait_for_function(
@@ -97,14 +133,19 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         assert steps_in_table == ["5"] * len(LAYERS)
         assert page.locator("#world-size").inner_text() == "2"
         assert page.locator("#ratio").inner_text().endswith("\u00d7")  # the multiplication sign
+        _check_bits_heat_map(page, steps=6)
 
         # All of that came over one server-sent-event stream: the page never polled the metric
-        # routes, and it got step, summary and layers events for both rounds of steps.
+        # routes, and it got step, summary and layers events for both rounds of steps. The bits
+        # history is the one read beside it, made only after a `layers` event said the metrics
+        # changed (at most one per such event).
         streams = [u for u in requests if u.endswith(f"/v1/jobs/{job_id}/metrics/stream")]
-        polled = [u for u in requests if "/metrics/" in u and "/metrics/stream" not in u]
+        bits = [u for u in requests if "/metrics/layers/bits?" in u]
+        polled = [u for u in requests if "/metrics/" in u and "/metrics/stream" not in u and u not in bits]
         assert len(streams) == 1 and polled == [], (streams, polled)
         events = page.evaluate("() => window.tailDashboard.state.events")
         assert events["step"] >= 5 and events["summary"] >= 2 and events["layers"] >= 2, events
+        assert 2 <= len(bits) <= events["layers"], (bits, events)
         assert not page.evaluate("() => window.tailDashboard.state.ended")
 
         # The job ends: its metrics drain, step 5 becomes final, and the stream says `end`.

@@ -119,8 +119,8 @@ def _operation_id(op: schemathesis.APIOperation) -> str:
 def test_openapi_has_stable_operation_ids(api_schema: schemathesis.BaseSchema) -> None:
     assert {_operation_id(op) for op in _operations(api_schema)} == {
         "create_job", "list_jobs", "get_job", "stop_job", "get_job_logs", "get_layer_metrics",
-        "get_step_metrics", "get_metrics_summary", "stream_metrics", "prometheus_metrics",
-        "healthz", "readyz", "upload_package", "get_package",
+        "get_layer_bits_history", "get_step_metrics", "get_metrics_summary", "stream_metrics",
+        "prometheus_metrics", "healthz", "readyz", "upload_package", "get_package",
     }  # fmt: skip
 
 
