@@ -88,7 +88,7 @@ def produce(
     templates = [rank_templates(shape, shape.job_id(j)) for j in range(shape.jobs)]
     now = time.time()
     for step in range(backlog_steps):
-        refs = [sinks[j].push.remote(step_batch(t, step, now), 0, r)
+        refs = [sinks[j].push.remote(records=step_batch(t, step, now), rank=r)
                 for j in range(shape.jobs) for r, t in enumerate(templates[j])]  # fmt: skip
         ray.get(refs)
     ready.set()
@@ -98,7 +98,8 @@ def produce(
         wall = time.time()
         for j in range(shape.jobs):
             for r, t in enumerate(templates[j]):
-                sinks[j].push.remote(step_batch(t, step, wall), 0, r)  # fire and forget, as workers do
+                # fire and forget, as workers do
+                sinks[j].push.remote(records=step_batch(t, step, wall), rank=r)
             out.put((j, step, (step + 1) * shape.records_per_step, time.time()))
         step += 1
         time.sleep(max(0.0, t0 + (step - backlog_steps) * shape.step_interval_s - time.monotonic()))

@@ -292,6 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     capacity = (args.backlog_steps + live_steps) * shape.records_per_step
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
+        if args.log_dir:  # keep the service's and the Ray head's logs (copied before tmp goes)
+            stack.callback(_keep_logs, tmp, args.log_dir)
         url = prepare_database(args, tmp, stack)
         env = service_env(args, url)
         address = url
@@ -312,6 +314,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile_out:
             stack.callback(start_profiler(service.pid, args.profile_out, args.duration_s).wait, 60)
         return asyncio.run(drive(args, shape, url, f"http://127.0.0.1:{port}", producer, service.pid))
+
+
+def _keep_logs(tmp: Path, log_dir: Path) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for log in tmp.glob("*.log"):
+        shutil.copy(log, log_dir / log.name)
 
 
 def _stop_producer(producer: Producer) -> None:
@@ -378,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-out", type=Path, help="py-spy the service: .svg flamegraph, .txt raw stacks"
     )
+    parser.add_argument("--log-dir", type=Path, help="keep the service's and Ray head's logs here")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0, help="wait for ingest after the run")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on filling the sinks")
     args = parser.parse_args(argv)

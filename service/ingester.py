@@ -266,6 +266,6 @@ class Ingester:
 
 
 def _page_records(page: dict) -> int:
-    """Records in a sink page: columnar pages (``read_columns``) say how many; a sink from an
+    """Records in a sink page: columnar pages (``read(columnar=True)``) say how many; a sink from an
     older tail-ray sends only ``records``."""
     return int(page["count"]) if "count" in page else len(page["records"])

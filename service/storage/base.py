@@ -54,7 +54,7 @@ class IngestBatch:
     missed: int = 0
     dropped_in_sink: int = 0
     dropped_by_workers: int = 0
-    # A columnar page (``MetricsSink.read_columns``: "layer" / "step" field -> list, and
+    # A columnar page (``MetricsSink.read(columnar=True)``: "layer" / "step" field -> list, and
     # "records" for the odd ones) stored instead of ``records``: the fast path.
     columns: dict[str, Any] | None = None
 

@@ -1,4 +1,4 @@
-"""Columnar sink pages (``MetricsSink.read_columns``) -> database rows, checked a column at a
+"""Columnar sink pages (``MetricsSink.read(columnar=True)``) -> database rows, checked a column at a
 time.
 
 The per-record path (records.py) costs a few microseconds of Python per record, which at

@@ -75,7 +75,7 @@ class StepMetric:
         return {"type": "step", **asdict(self)}
 
 
-# The fields of each kind as they travel in a columnar sink page (``MetricsSink.read_columns``):
+# The fields of each kind as they travel in a columnar sink page (``MetricsSink.read(columnar=True)``):
 # everything but job_id, which the page names once. The service stores them in this order.
 LAYER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LayerMetric) if f.name != "job_id")
 STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepMetric) if f.name != "job_id")

@@ -107,28 +107,29 @@ class MetricsSink:
             self._dropped_by_workers[rank] = max(self._dropped_by_workers.get(rank, 0), dropped_by_worker)
         return self._ring.next_seq - 1
 
-    def read(self, after_seq: int = 0, limit: int = 10_000) -> dict[str, Any]:
+    # A detached sink outlives upgrades of the service that reads it. A process that cannot
+    # load this class as it was when the sink started (another tail-ray version) gets a handle
+    # whose methods take keyword arguments only ("too many positional arguments" otherwise):
+    # callers pass keywords, and a new parameter must have a default.
+    def read(self, after_seq: int = 0, limit: int = 10_000, columnar: bool = False) -> dict[str, Any]:
         """Records with seq > after_seq, oldest first, at most ``limit``, each a dict with its
         ``seq``.
 
         ``next_seq`` is the cursor to pass next time; ``missed`` counts records the reader
         asked for that the ring buffer had already dropped.
+
+        ``columnar=True``: the same page columnar, what the service ingests. ``layer`` and
+        ``step`` map each field (``seq`` first) to a list with one value per record of that
+        kind; ``records`` holds, as dicts, only the records that fit neither (another type, a
+        missing field), for the reader to judge; ``count`` is the page's size. A page of lists
+        of numbers costs the reader a fraction of what as many dicts cost to deserialize and
+        convert.
         """
         seqs, recs = self._ring.records_after(after_seq, _clamp(limit))
-        return self._page(
-            after_seq, seqs, {"records": [{"seq": q, **r} for q, r in zip(seqs, recs, strict=False)]}
-        )
-
-    def read_columns(self, after_seq: int = 0, limit: int = 10_000) -> dict[str, Any]:
-        """The same page as ``read``, columnar: what the service ingests. ``layer`` and ``step``
-        map each field (``seq`` first) to a list with one value per record of that kind;
-        ``records`` holds, as dicts, only the records that fit neither (another type, a
-        missing field), for the reader to judge. A page of lists of numbers costs the reader a
-        fraction of what as many dicts cost to deserialize and convert."""
-        seqs, recs = self._ring.records_after(after_seq, _clamp(limit))
-        return self._page(after_seq, seqs, columnar(seqs, recs))
-
-    def _page(self, after_seq: int, seqs: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        if columnar:
+            body = columns_of(seqs, recs)
+        else:
+            body = {"records": [{"seq": q, **r} for q, r in zip(seqs, recs, strict=True)]}
         first_seq = self._ring.first_seq
         return {
             "job_id": self.job_id,
@@ -157,8 +158,8 @@ class MetricsSink:
         }
 
 
-def columnar(seqs: list[int], recs: list[Any]) -> dict[str, Any]:
-    """The body of a ``read_columns`` page for these records (see there)."""
+def columns_of(seqs: list[int], recs: list[Any]) -> dict[str, Any]:
+    """The body of a columnar page (``MetricsSink.read(columnar=True)``) for these records."""
     kinds: dict[str, tuple[list[int], list[tuple[Any, ...]]]] = {"layer": ([], []), "step": ([], [])}
     odd: list[dict[str, Any]] = []
     for seq, rec in zip(seqs, recs, strict=False):

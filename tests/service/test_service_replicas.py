@@ -207,3 +207,48 @@ def test_a_killed_ingest_process_is_restarted_and_dies_with_its_service(
         wait_for(lambda: not _alive(second), 30, "the orphaned ingest process to stop")
     finally:
         replica.stop()
+
+
+@ray.remote(num_cpus=0)
+class _SinkOfAnOlderRelease:
+    """A metrics sink as tail-ray released it before columnar pages: ``read`` has no
+    ``columnar`` parameter (detached sinks outlive service upgrades)."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.records = records
+
+    def read(self, after_seq: int = 0, limit: int = 10_000) -> dict:
+        out = [r for r in self.records if r["seq"] > after_seq][:limit]
+        return {
+            "job_id": "old-sink-job", "records": out, "next_seq": out[-1]["seq"] if out else after_seq,
+            "last_seq": len(self.records), "missed": 0, "dropped_in_sink": 0, "dropped_by_workers": 0,
+            "closed": False,
+        }  # fmt: skip
+
+
+def test_a_sink_of_an_older_release_is_read_as_records(head: LocalRayHead, tmp_path: Path) -> None:
+    from service_support import make_settings
+
+    from service.ingester import Ingester
+    from service.ray_client import RayGateway
+    from tail_ray.metrics.sink import SINK_NAMESPACE, sink_actor_name
+
+    job_id = "old-sink-job"
+    records = [
+        {"seq": i + 1, **r} for i, r in enumerate(r for s in range(30) for r in step_records(job_id, s))
+    ]
+    old = _SinkOfAnOlderRelease.options(  # type: ignore[attr-defined]
+        name=sink_actor_name(job_id), namespace=SINK_NAMESPACE, lifetime="detached"
+    ).remote(records)
+    settings = make_settings(tmp_path / "service.sqlite", head, ingest_batch_records=100)
+    with open_storage(settings.storage_url) as store:
+        store.insert_job(job_id=job_id, name="old", source="ray", status="RUNNING", entrypoint="x", spec=None)
+        ingester = Ingester(settings, store, RayGateway(settings))
+        try:
+            assert ingester.lease.try_acquire()
+            assert ingester.drain() == len(records)
+            assert store.seqs(job_id) == list(range(1, len(records) + 1))
+            assert store.summary(job_id)["steps"] == 30
+        finally:
+            ingester.close()
+            ray.kill(old)

@@ -1,4 +1,4 @@
-"""The columnar ingest path (sink ``read_columns`` -> service/storage/columns.py) stores, skips
+"""The columnar ingest path (sink ``read(columnar=True)`` -> service/storage/columns.py) stores, skips
 and counts exactly what the per-record path (records.py ``batch_rows``) does with the same
 records as dicts: for well-formed pages (the fast path) and for every kind of bad value a
 worker could send (the fallback). No Ray: ``columnar`` is the function the sink actor runs."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from service.storage.columns import column_rows
 from service.storage.records import BatchRows, batch_rows
 from tail_ray.metrics.records import LAYER_FIELDS, STEP_FIELDS
-from tail_ray.metrics.sink import _Ring, columnar
+from tail_ray.metrics.sink import _Ring, columns_of
 
 
 def layer_record(step: int, rank: int, i: int) -> dict:
@@ -59,13 +59,13 @@ def same(a: BatchRows, b: BatchRows) -> None:
 def both_paths(records: list, after_seq: int) -> tuple[BatchRows, BatchRows]:
     seqs = list(range(1, len(records) + 1))
     reference = batch_rows("j", [{"seq": q, **r} for q, r in zip(seqs, records, strict=True)], after_seq)
-    return column_rows("j", columnar(seqs, records), after_seq), reference
+    return column_rows("j", columns_of(seqs, records), after_seq), reference
 
 
 @pytest.mark.parametrize("after_seq", [0, 1, 150, 401, 10_000])
 def test_well_formed_pages_take_the_fast_path_and_match(after_seq: int) -> None:
     records = training_records(steps=4, ranks=2, layers=49)  # 400 records
-    page = columnar(list(range(1, 401)), records)
+    page = columns_of(list(range(1, 401)), records)
     assert page["records"] == [] and page["count"] == 400  # all columnar: nothing odd
     assert len(page["layer"]["seq"]) == 392 and len(page["step"]["seq"]) == 8
     fast, reference = both_paths(records, after_seq)
