@@ -10,7 +10,8 @@ decision, or the compressor invalidated it (runaway residual).
 With ``allocation="model"`` the estimates are kept, and the bits come from one whole-model
 allocation over every layer's latest estimate (``allocate.allocate_bits``) instead of each
 layer's own tau: an estimate is still refreshed by the rules above, and the allocation is
-recomputed (0.1-0.4 ms in Python) at most once per step after one was.
+recomputed at most once per step after one was (``ModelAllocator``: only the re-estimated
+layers' terms are redone, ~16 us for 11 layers).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class BitController:
         layer's new estimate may have moved them since this layer's own decision).
 
         Re-allocated at most once per step (a step's re-estimates of other layers count from
-        the next step; it costs ~0.1-0.4 ms in Python), but at once for a layer the current
+        the next step), but at once for a layer the current
         allocation does not cover (first seen, or invalidated by the runaway guard)."""
         if self._dirty and (step != self._allocated_step or name not in self._allocated):
             t0 = time.perf_counter()
