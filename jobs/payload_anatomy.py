@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from jobs.bench_codec import MODELS, Capture, capture_gradients
+from jobs.bench_codec import MODELS, Capture, capture_gradients, run_workers
+from tail_ray.compression.base import Compressor
 from tail_ray.compression.code_table import DEFAULT_CODES
 from tail_ray.compression.codes import Code, LevelStats
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
@@ -103,14 +104,9 @@ def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, 
 
 
 def run_model(cap: Capture, config: TailConfig) -> dict[str, Any]:
-    comps = [TailCompressor(config) for _ in cap.grads[0]]
-    for per_rank in cap.grads[:-1]:
-        payloads = []
-        for comp, grads in zip(comps, per_rank, strict=True):
-            comp.set_lr(cap.lr)
-            payloads.append(comp.compress(grads))
-        for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
-            comp.aggregate(payloads, {n: torch.empty_like(g) for n, g in grads.items()}, own=rank)
+    comps: list[Compressor] = [TailCompressor(config) for _ in cap.grads[0]]
+    run_workers(comps, cap.grads[:-1], cap.lr)
+    assert isinstance(comps[0], TailCompressor)
     comps[0].set_lr(cap.lr)
     size, rows = anatomy(comps[0], cap.grads[-1][0])
     raw = sum(4 * r.numel for r in rows)
