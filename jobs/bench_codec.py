@@ -150,14 +150,20 @@ def _warm(method: str, cap: Capture) -> list[Compressor]:
     the spread between workers there)."""
     kind, settings = METHODS[method]
     comps = [make_compressor(kind, **settings) for _ in cap.grads[0]]
-    for per_rank in cap.grads:
+    run_workers(comps, cap.grads, cap.lr)
+    return comps
+
+
+def run_workers(comps: list[Compressor], steps: list[list[dict[str, torch.Tensor]]], lr: float) -> None:
+    """Each step: every worker (one compressor each) compresses its gradients, then aggregates
+    every worker's payload, as the all-gather payload hook does."""
+    for per_rank in steps:
         payloads = []
         for comp, grads in zip(comps, per_rank, strict=True):
-            comp.set_lr(cap.lr)
+            comp.set_lr(lr)
             payloads.append(comp.compress(grads))
         for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
             comp.aggregate(payloads, {n: torch.empty_like(g) for n, g in grads.items()}, own=rank)
-    return comps
 
 
 # The streaming copy cycles through buffers adding up to this much, several times the last-level

@@ -5,9 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-import tail_ray.bitwidth.plan as plan_module
 from tail_ray.bitwidth.allocate import (
     LayerCurve,
+    ModelAllocator,
     allocate_bits,
     allowed,
     budget_used,
@@ -150,6 +150,28 @@ def test_tighter_budget_in_a_critical_phase_never_uses_fewer_bits():
         assert _bits_total(curves, strict) >= _bits_total(curves, loose)
 
 
+def test_the_allocator_that_keeps_layer_terms_gives_what_a_fresh_allocation_gives():
+    """ModelAllocator reuses an unchanged curve's terms; curves replaced, layers appearing,
+    disappearing or pinned (over their tau at 8 bits) between calls must not leave stale terms."""
+    rng = np.random.default_rng(4)
+    kept = ModelAllocator(BITS, layer_cap=CAP, tau_max=TAU_MAX)
+    curves = {c.name: c for c in _random_model(rng, 8)}
+    for step in range(150):
+        name = f"layer{int(rng.integers(0, 10))}"
+        match step % 5:
+            case 0:
+                curves.pop(name, None)
+            case 1:
+                curves[name] = _curve(name, 4096, 1e-7, 0.05)  # pinned at the largest candidate
+            case _:
+                curves[name] = _curve(
+                    name, rng.integers(4096, 1 << 20), rng.uniform(0.02, 0.5), rng.uniform(0.01, 0.2), rng
+                )
+        got = kept.allocate(curves.values())
+        assert got == allocate_bits(list(curves.values()), BITS, layer_cap=CAP, tau_max=TAU_MAX)
+        assert list(got) == list(allocate_bits(curves.values(), BITS, layer_cap=CAP, tau_max=TAU_MAX))
+
+
 def _settings():
     return BudgetSettings(
         noise_fraction=0.25,
@@ -226,12 +248,13 @@ def test_model_allocation_is_redone_at_most_once_per_step(monkeypatch):
         ctl.plan(name, g, None, 0, float(np.linalg.norm(g)))
     assert set(ctl._allocated) == set(layers)
     calls = []
+    allocate = ctl._allocator.allocate
 
     def counting(*args, **kwargs):
         calls.append(args)
-        return allocate_bits(*args, **kwargs)
+        return allocate(*args, **kwargs)
 
-    monkeypatch.setattr(plan_module, "allocate_bits", counting)
+    monkeypatch.setattr(ctl._allocator, "allocate", counting)
     invalidations = 0
     for step in range(1, 30):
         if step % 7 == 0:

@@ -39,8 +39,12 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
         assert history and all(len(bits) == 6 for bits in history.values())
         assert any(b < 32 for bits in history.values() for b in bits)
         assert 0 < row["tail_decision_share"] < 1
+        # The steady share leaves out the first steps (kernel loading): their cost is apart.
+        assert 0 <= row["tail_decision_share_steady"] < 1
+        assert row["tail_decision_first_s"] > 0 and row["tail_decisions"] >= 2  # both layers decided
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
+    assert "of compress time (after step 5:" in printed
     assert "[digits / tail*1] bits per layer over steps" in printed
     # --plot: the heat map of both tail rows, a real PNG (its folder made on the way).
     assert f"wrote {plot}" in printed

@@ -1,0 +1,208 @@
+"""What a Tail payload is made of, per layer: framing, scales, code tables, coded levels.
+
+    python -m jobs.payload_anatomy [--models digits_cnn,char_transformer] [--steps N] [--keep K]
+                                   [--raw-below-numel N ...] [--json PATH]
+
+Trains each model with 2 simulated data-parallel workers (jobs/bench_codec.py's capture: each
+worker its own batch, same weights), runs one Tail compressor per worker over the last
+``--keep`` steps as the payload hook runs them (compress, then aggregate every worker's
+payload: error feedback, the controller and its SGD-noise budget in their real state; keep
+it past warm-up + recovery, 70 steps, for the steady state), then takes worker 0's payload
+of the last step apart, every byte counted once:
+
+  frame    the layer's framing: name, kind / code / bits bytes, numel, bucket size, counts
+  scales   float32 bucket scales (quantized layers: 4 bytes per bucket of ``bucket_size``)
+  tables   the entropy code's frequency tables carried in the body (rANS codes)
+  levels   the coded levels (rANS streams, gap slots and extra bits; bit-packed levels)
+  values   raw fp32 values (layers below ``raw_below_numel``)
+
+plus the payload's own header and checksum, the layer's share of the payload, and its levels
+against their order-0 entropy bound (H0, the best a static per-layer model can do).
+``--raw-below-numel`` repeats the analysis with other thresholds (same gradients, same
+compressor seed), to show what a small layer costs raw and quantized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jobs.bench_codec import MODELS, Capture, capture_gradients, run_workers
+from tail_ray.compression.base import Compressor
+from tail_ray.compression.code_table import DEFAULT_CODES
+from tail_ray.compression.codes import Code, LevelStats
+from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
+from tail_ray.compression.records import QuantRecord
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, decode_payload
+
+DEFAULT_MODELS = ("digits_cnn", "char_transformer")
+
+
+@dataclass
+class LayerAnatomy:
+    layer: str
+    numel: int
+    bits: int  # 32: raw fp32
+    code: str
+    frame: int
+    scales: int
+    tables: int
+    levels: int  # coded levels (quantized) or raw values
+    h0_levels: float  # order-0 bound of the levels (0 for raw layers)
+
+    @property
+    def total(self) -> int:
+        return self.frame + self.scales + self.tables + self.levels
+
+
+def _tables_bytes(code: str, stats: LevelStats) -> int:
+    """Bytes of frequency tables at the head of a level code's body (see dense_codes.py /
+    sparse_codes.py: rans and rans-pairs send the single-level table, sparse-rans the gap-slot
+    and non-zero-level tables; bit-packing sends none)."""
+    if code in (DEFAULT_CODES.name(Code.RANS), DEFAULT_CODES.name(Code.RANS_PAIRS)):
+        assert stats.dense is not None
+        return len(stats.dense.model.to_bytes())
+    if code == DEFAULT_CODES.name(Code.SPARSE_RANS):
+        stats.count_gaps_exactly()
+        if stats.slot_fit is None or stats.nonzero_fit is None:
+            return 0
+        return len(stats.slot_fit.model.to_bytes()) + len(stats.nonzero_fit.model.to_bytes())
+    return 0
+
+
+def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, list[LayerAnatomy]]:
+    """Compress ``grads`` once with ``comp`` and take the payload apart (payload size, layers)."""
+    payload = comp.compress(grads)
+    stats = {s.layer: s for s in comp.last_stats}
+    rows = []
+    for rec in decode_payload(payload):
+        s = stats[rec.name]
+        if isinstance(rec, QuantRecord):
+            level_stats = LevelStats(rec.levels, rec.bits)
+            scales = 4 * int(rec.scales.size)
+            code, _nnz, body = DEFAULT_CODES.encode(rec)
+            assert DEFAULT_CODES.name(code) == s.code  # the same choice as the payload's
+            tables = _tables_bytes(s.code, level_stats)
+            h0 = min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels))
+            levels = len(body) - tables
+        else:
+            _code, _nnz, body = DEFAULT_CODES.encode(rec)
+            scales = tables = 0
+            levels, h0 = len(body), 0.0
+        frame = s.encoded_bytes - scales - len(body)
+        rows.append(LayerAnatomy(rec.name, rec.numel, s.bits, s.code, frame, scales, tables, levels, h0))
+    assert sum(r.total for r in rows) + PAYLOAD_OVERHEAD_BYTES == len(payload)
+    return len(payload), rows
+
+
+def run_model(cap: Capture, config: TailConfig) -> dict[str, Any]:
+    comps: list[Compressor] = [TailCompressor(config) for _ in cap.grads[0]]
+    run_workers(comps, cap.grads[:-1], cap.lr)
+    assert isinstance(comps[0], TailCompressor)
+    comps[0].set_lr(cap.lr)
+    size, rows = anatomy(comps[0], cap.grads[-1][0])
+    raw = sum(4 * r.numel for r in rows)
+    return {
+        "model": cap.model,
+        "raw_below_numel": config.raw_below_numel,
+        "payload_bytes": size,
+        "raw_bytes": raw,
+        "ratio": raw / size,
+        "layers": [dataclasses.asdict(r) | {"total": r.total} for r in rows],
+    }
+
+
+def print_report(res: dict[str, Any]) -> None:
+    size = res["payload_bytes"]
+    print(
+        f"\n=== {res['model']}, raw_below_numel={res['raw_below_numel']}: payload {size} B,"
+        f" ratio {res['ratio']:.2f}x (worker 0, last step) ==="
+    )
+    hdr = (
+        f"{'layer':<42} {'numel':>7} {'bits':>4} {'code':<11} {'bytes':>7} {'%pay':>6}"
+        f" {'frame':>6} {'scales':>7} {'tables':>6} {'levels':>7} {'sc%':>6} {'hdr%':>6} {'lv/H0':>6}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    tot = {"frame": 0, "scales": 0, "tables": 0, "levels": 0, "values": 0, "h0": 0.0}
+    for r in res["layers"]:
+        quant = r["bits"] < 32
+        shown_levels = r["levels"] if quant else f"{r['levels']}v"
+        ratio_h0 = f"{r['levels'] / r['h0_levels']:.3f}" if quant and r["h0_levels"] > 0 else "-"
+        print(
+            f"{r['layer'][-42:]:<42} {r['numel']:>7} {r['bits']:>4} {r['code'][:11]:<11} {r['total']:>7}"
+            f" {r['total'] / size:>6.1%} {r['frame']:>6} {r['scales']:>7} {r['tables']:>6}"
+            f" {shown_levels!s:>7} {r['scales'] / r['total']:>6.1%}"
+            f" {(r['frame'] + r['tables']) / r['total']:>6.1%} {ratio_h0:>6}"
+        )
+        tot["frame"] += r["frame"]
+        tot["scales"] += r["scales"]
+        tot["tables"] += r["tables"]
+        tot["levels" if quant else "values"] += r["levels"]
+        tot["h0"] += r["h0_levels"] if quant else 0.0
+    overhead = PAYLOAD_OVERHEAD_BYTES
+    print(
+        f"payload: header+checksum {overhead} B ({overhead / size:.1%}), layer framing {tot['frame']} B"
+        f" ({tot['frame'] / size:.1%}), scales {tot['scales']} B ({tot['scales'] / size:.1%}), code tables"
+        f" {tot['tables']} B ({tot['tables'] / size:.1%}), coded levels {tot['levels']} B"
+        f" ({tot['levels'] / size:.1%}; {tot['levels'] / max(tot['h0'], 1e-9):.3f}x their H0),"
+        f" raw values {tot['values']} B ({tot['values'] / size:.1%})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.payload_anatomy",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help="comma list (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
+    parser.add_argument(
+        "--keep", type=int, default=90, help="last steps the compressors run over (default %(default)s)"
+    )
+    parser.add_argument(
+        "--raw-below-numel",
+        type=int,
+        action="append",
+        help="Tail's raw_below_numel to analyse (repeatable; default: Tail's default)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="data / model seed (default %(default)s)")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    if not 2 <= args.keep <= args.steps:
+        parser.error("--keep must be in 2..--steps")
+    thresholds = args.raw_below_numel or [TailConfig().raw_below_numel]
+    t0 = time.perf_counter()
+    results = []
+    for m in models:
+        cap = capture_gradients(m, args.steps, args.keep, 2, seed=args.seed)
+        for threshold in thresholds:
+            res = run_model(cap, TailConfig(raw_below_numel=threshold, seed=1234))
+            print_report(res)
+            results.append(res)
+    print(f"\npayload_anatomy finished in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
