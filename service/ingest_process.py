@@ -128,6 +128,11 @@ def child_main() -> int:
     service's pipe, breaks), a status line after each pass that changed it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s ingest: %(message)s")
     settings = Settings(**json.loads(sys.stdin.buffer.read()))
+    if settings.ingest_niceness:
+        # Catching up on a backlog takes every cycle it can get; reads are what a person waits
+        # for. A lower CPU priority lets the kernel run the service's request threads first on a
+        # busy machine, and costs ingest nothing when a core is free.
+        os.nice(settings.ingest_niceness)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -115,6 +115,13 @@ class Settings(BaseSettings):
         "does not stall reads; a thread saves the child's start-up and memory (~100 MB).",
     )
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
+    ingest_niceness: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="CPU niceness of the ingest process (not with ingest_in_process): on a busy "
+        "machine the service's reads run first, ingest takes what is left.",
+    )
     ingest_batch_records: int = Field(
         5_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
     )

@@ -187,6 +187,10 @@ def test_a_killed_ingest_process_is_restarted_and_dies_with_its_service(
     replica = Replica("child", url, head, tmp_path)
     try:
         first = wait_for(lambda: _ingest_child(replica), 30, "the ingest process")
+        # ingest_niceness (the child sets it once it has read its settings): on a busy machine
+        # the service's reads run first.
+        wait_for(lambda: Path(f"/proc/{first}/stat").read_text().rsplit(")", 1)[1].split()[16] == "10",
+                 30, "the ingest process to lower its priority")  # fmt: skip
 
         def cursor() -> int:
             summary = httpx.get(f"{replica.base}/v1/jobs/{job_id}/metrics/summary", timeout=10).json()
