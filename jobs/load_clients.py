@@ -88,7 +88,7 @@ def produce(
     templates = [rank_templates(shape, shape.job_id(j)) for j in range(shape.jobs)]
     now = time.time()
     for step in range(backlog_steps):
-        refs = [sinks[j].push.remote(step_batch(t, step, now), 0, r)
+        refs = [sinks[j].push.remote(records=step_batch(t, step, now), rank=r)
                 for j in range(shape.jobs) for r, t in enumerate(templates[j])]  # fmt: skip
         ray.get(refs)
     ready.set()
@@ -98,7 +98,8 @@ def produce(
         wall = time.time()
         for j in range(shape.jobs):
             for r, t in enumerate(templates[j]):
-                sinks[j].push.remote(step_batch(t, step, wall), 0, r)  # fire and forget, as workers do
+                # fire and forget, as workers do
+                sinks[j].push.remote(records=step_batch(t, step, wall), rank=r)
             out.put((j, step, (step + 1) * shape.records_per_step, time.time()))
         step += 1
         time.sleep(max(0.0, t0 + (step - backlog_steps) * shape.step_interval_s - time.monotonic()))
@@ -182,8 +183,17 @@ class RouteStats:
     stream_delays_s: list[float] = field(default_factory=list)
     stream_events: int = 0
 
-    def add(self, route: str, seconds: float) -> None:
+    sent_at: list[float] = field(default_factory=list)  # monotonic send time of each latency, in order
+    ordered_s: list[float] = field(default_factory=list)  # every latency, in the order added
+
+    def add(self, route: str, seconds: float, sent_at: float) -> None:
         self.latencies_s.setdefault(route, []).append(seconds)
+        self.sent_at.append(sent_at)
+        self.ordered_s.append(seconds)
+
+    def since(self, t: float) -> list[float]:
+        """The latencies of requests sent at or after monotonic time ``t``."""
+        return [s for at, s in zip(self.sent_at, self.ordered_s, strict=True) if at >= t]
 
 
 async def poller(
@@ -204,14 +214,14 @@ async def poller(
         i += 1
         path = f"/v1/jobs/{job_id}/metrics/{route}"
         params = {"after_step": -1, "limit": 500} if route == "steps" else None
-        t0 = time.perf_counter()
+        t0, sent_at = time.perf_counter(), time.monotonic()
         try:
             resp = await client.get(path, params=params)
             if resp.status_code != 200:
                 stats.errors.append(f"{route}: HTTP {resp.status_code}")
         except httpx.HTTPError as exc:
             stats.errors.append(f"{route}: {type(exc).__name__}")
-        stats.add(route, time.perf_counter() - t0)
+        stats.add(route, time.perf_counter() - t0, sent_at)
         if interval_s > 0:
             await asyncio.sleep(interval_s)
 

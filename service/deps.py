@@ -14,7 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.exposure import arrived_beyond_loopback
-from service.ingester import Ingester
+from service.ingester import Ingester, IngestStatus
 from service.live import LiveMetrics
 from service.packages import PackageStore
 from service.ray_client import RayGateway
@@ -58,10 +58,17 @@ def get_ingester(request: Request) -> Ingester:
     return ingester
 
 
+def get_ingest_status(request: Request) -> IngestStatus:
+    """The ingester's status, from the thread or the child process that runs it."""
+    status: IngestStatus = request.app.state.ingest_status()
+    return status
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RayDep = Annotated[RayGateway, Depends(get_ray)]
 IngesterDep = Annotated[Ingester, Depends(get_ingester)]
+IngestStatusDep = Annotated[IngestStatus, Depends(get_ingest_status)]
 ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
 LiveDep = Annotated[LiveMetrics, Depends(get_live)]
 PackagesDep = Annotated[PackageStore, Depends(get_packages)]

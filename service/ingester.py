@@ -40,6 +40,16 @@ from service.storage import IngestBatch, JobRow, Storage
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class IngestStatus:
+    """What /metrics and /readyz show of the ingester, wherever it runs (a thread here, or the
+    child process of ingest_process.py, which reports it on a pipe)."""
+
+    leader: bool  # holds the lease: the one ingester of this database
+    stored_records: int  # by this ingester since it started
+    last_error: str | None  # the last pass's failure (Ray unreachable, ...); None when it worked
+
+
 @dataclass
 class _JobDrain:
     """One job's progress through a drain pass."""
@@ -65,6 +75,9 @@ class Ingester:
     @property
     def is_leader(self) -> bool:
         return self.lease.held
+
+    def status(self) -> IngestStatus:
+        return IngestStatus(self.is_leader, self.stored_records, self.last_error)
 
     def close(self) -> None:
         """Give up the leader lease (another replica's next pass takes over)."""
@@ -146,44 +159,54 @@ class Ingester:
     def drain(self) -> int:
         """Read every undrained job's sink up to its end; returns records read.
 
-        Every job's first read is sent at once; whenever a page comes back full, that job's next
-        read is sent before the page is stored, so the sink actors serialize pages while this
-        thread stores earlier ones. Each page is stored with its new cursor in one transaction."""
+        Every job's first read is sent at once. Each round takes every page that has come back
+        (waiting for at least one), sends the next read of each job whose page was full, and
+        stores the round's pages with their cursors in one transaction while those reads are in
+        flight: the sink actors serialize pages while this process stores earlier ones, and a
+        round costs one commit however many jobs it holds."""
         limit = self.settings.ingest_batch_records
         jobs = {job.id: _JobDrain(job, cursor) for job, cursor in self.storage.undrained_jobs()}
         inflight = self.ray.request_sink_pages({job_id: d.cursor for job_id, d in jobs.items()}, limit)
-        while inflight and self.lease.held:  # a leader that lost its lease stops at the next page
-            job_id = next(iter(inflight))
-            page = self.ray.sink_page(job_id, inflight.pop(job_id))
-            if page is not None and len(page["records"]) >= limit:
-                inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
-            self._store(jobs[job_id], page)
+        while inflight and self.lease.held:  # a leader that lost its lease stops at the next round
+            pages = {}
+            for job_id in self.ray.answered_sink_pages(inflight):
+                page = self.ray.sink_page(job_id, inflight.pop(job_id))
+                if page is not None and _page_records(page) >= limit:
+                    inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
+                pages[job_id] = page
+            self._store(jobs, pages)
         if not self.lease.held:
             return sum(d.read for d in jobs.values())  # another replica ingests now; it decides drains
         for d in jobs.values():
             self._maybe_drained(d)
         return sum(d.read for d in jobs.values())
 
-    def _store(self, d: _JobDrain, page: dict | None) -> None:
-        """Store one page and advance the job's cursor."""
-        if page is None:
+    def _store(self, jobs: dict[str, _JobDrain], pages: dict[str, dict | None]) -> None:
+        """Store one round's pages (one transaction) and advance each job's cursor."""
+        batches = []
+        for job_id, page in pages.items():
+            if page is None:
+                continue
+            jobs[job_id].saw_sink = True
+            batches.append((job_id, IngestBatch(
+                records=page["records"],
+                columns=page if "count" in page else None,
+                next_seq=int(page["next_seq"]),
+                missed=int(page["missed"]),
+                dropped_in_sink=int(page["dropped_in_sink"]),
+                dropped_by_workers=int(page["dropped_by_workers"]),
+            )))  # fmt: skip
+        if not batches:
             return
-        d.saw_sink = True
-        records = page["records"]
-        batch = IngestBatch(
-            records=records,
-            next_seq=int(page["next_seq"]),
-            missed=int(page["missed"]),
-            dropped_in_sink=int(page["dropped_in_sink"]),
-            dropped_by_workers=int(page["dropped_by_workers"]),
-        )
-        self.stored_records += self.storage.ingest(d.job.id, batch)
-        if page["missed"]:
-            logger.warning(
-                "job %s: the sink dropped %d records before we read them", d.job.id, page["missed"]
-            )
-        d.read += len(records)
-        d.cursor = batch.next_seq
+        self.stored_records += sum(self.storage.ingest_many(batches))
+        for job_id, batch in batches:
+            d, page = jobs[job_id], pages[job_id]
+            if batch.missed:
+                logger.warning(
+                    "job %s: the sink dropped %d records before we read them", job_id, batch.missed
+                )
+            d.read += _page_records(page) if page is not None else 0
+            d.cursor = batch.next_seq
 
     def _maybe_drained(self, d: _JobDrain) -> None:
         """A job is drained when it ended ``drain_grace_s`` ago and this pass read nothing new."""
@@ -240,3 +263,9 @@ class Ingester:
                     await asyncio.wait_for(stop.wait(), timeout=self.settings.ingest_interval_s)
         finally:
             self.close()
+
+
+def _page_records(page: dict) -> int:
+    """Records in a sink page: columnar pages (``read(columnar=True)``) say how many; a sink from an
+    older tail-ray sends only ``records``."""
+    return int(page["count"]) if "count" in page else len(page["records"])

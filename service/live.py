@@ -24,18 +24,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
-from pydantic import TypeAdapter
-
 from service.read_cache import ReadCache
-from service.schemas import LayerLatest
 from service.settings import Settings
 from service.storage import Storage
-from service.views import layers_view, steps_view, summary_view
+from service.views import layers_json, steps_view, summary_view
 
 logger = logging.getLogger(__name__)
 PAGE_STEPS = 1000
 KEEPALIVE_S = 15.0
-_LAYERS = TypeAdapter(list[LayerLatest])
 
 
 @dataclass(frozen=True)
@@ -90,8 +86,7 @@ class _Feed:
             if points and points[0].step == newest:
                 events.append(f"event: newest\ndata: {points[0].model_dump_json()}\n\n")
         events.append(f"event: summary\ndata: {summary.model_dump_json()}\n\n")
-        layers = layers_view(storage, cache, job_id, version)
-        events.append(f"event: layers\ndata: {_LAYERS.dump_json(layers).decode()}\n\n")
+        events.append(f"event: layers\ndata: {layers_json(storage, cache, job_id, version).decode()}\n\n")
         end = None
         if drained:
             status = job.status if job else ""

@@ -15,6 +15,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service.errors import install_error_handlers
 from service.exposure import HostAllowList
+from service.ingest_process import IngestProcess
 from service.ingester import Ingester
 from service.limits import BodySizeLimit
 from service.live import LiveMetrics
@@ -50,12 +51,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.package_max_bytes, settings.package_max_unpacked_bytes, settings.package_max_files
             ),
         )
-        app.state.read_cache = ReadCache()  # results keyed by each job's ingest state
+        # Results keyed by each job's ingest state, or young enough (read_cache.py).
+        app.state.read_cache = ReadCache(max_age_s=settings.read_max_staleness_s)
         app.state.ray = RayGateway(settings)
         app.state.ingester = Ingester(settings, storage, app.state.ray)
         app.state.live = LiveMetrics(storage, app.state.read_cache, settings)
+        app.state.ingest_status = app.state.ingester.status
         stop = asyncio.Event()
-        task = asyncio.create_task(app.state.ingester.run_forever(stop)) if settings.ingest_enabled else None
+        task = None
+        if settings.ingest_enabled and settings.ingest_in_process:
+            task = asyncio.create_task(app.state.ingester.run_forever(stop))
+        elif settings.ingest_enabled:  # its own process: reads never wait for its interpreter lock
+            child = IngestProcess(settings)
+            app.state.ingest_status = lambda: child.status
+            task = asyncio.create_task(child.run_forever(stop))
         try:
             yield
         finally:

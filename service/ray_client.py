@@ -86,6 +86,9 @@ class RayGateway:
         self._client: JobSubmissionClient | None = None
         self._secret = settings.ray_token()
         self._sinks: dict[str, Any] = {}  # job id -> its sink's actor handle (this driver's)
+        # Sinks started by an older tail-ray, whose read has no ``columnar`` parameter.
+        self._record_sinks: set[str] = set()
+        self._reads: dict[str, tuple[int, int]] = {}  # job id -> (after_seq, limit) in flight
 
     # ------------------------------------------------------------ helpers
     def redact(self, text: str) -> str:
@@ -262,17 +265,59 @@ class RayGateway:
                 handle = self._sinks.get(job_id) or sink_mod.find_sink(job_id)
                 if handle is not None:
                     self._sinks[job_id] = handle
-                refs[job_id] = handle.read.remote(after_seq, limit) if handle is not None else None
+                refs[job_id] = None if handle is None else self._read_page(job_id, handle, after_seq, limit)
         except Exception as exc:
             raise self._unavailable("cannot reach the metrics sinks", exc) from None
         return refs
+
+    def _read_page(self, job_id: str, handle: Any, after_seq: int, limit: int) -> ray.ObjectRef:
+        """A columnar page, or records from a sink that predates them. Keyword arguments only:
+        a process that cannot load the sink's class as it was when the sink started (another
+        tail-ray version: a detached sink outlives service upgrades) gets a handle whose methods
+        take keywords only."""
+        self._reads[job_id] = (after_seq, limit)
+        if job_id not in self._record_sinks:
+            try:
+                return handle.read.remote(after_seq=after_seq, limit=limit, columnar=True)
+            except TypeError:  # the old class loaded here: Ray checks the signature before sending
+                self._reading_records(job_id)
+        return handle.read.remote(after_seq=after_seq, limit=limit)
+
+    def _reading_records(self, job_id: str) -> None:
+        logger.info("job %s: its metrics sink predates columnar pages; reading records", job_id)
+        self._record_sinks.add(job_id)
+
+    def answered_sink_pages(self, inflight: dict[str, ray.ObjectRef | None]) -> list[str]:
+        """The jobs whose page read has answered, waiting up to ``ray_timeout_s`` for the first
+        (a job with no sink answers at once; after the timeout, the oldest read is returned so
+        that ``sink_page`` reports it)."""
+        done = [job_id for job_id, ref in inflight.items() if ref is None]
+        refs = {ref: job_id for job_id, ref in inflight.items() if ref is not None}
+        if done or not refs:
+            return done or list(inflight)[:1]
+        try:
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=self.settings.ray_timeout_s)
+            if ready:
+                ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        except Exception as exc:
+            raise self._unavailable("cannot reach the metrics sinks", exc) from None
+        return [refs[ref] for ref in ready] or list(inflight)[:1]
 
     def sink_page(self, job_id: str, ref: ray.ObjectRef | None) -> dict[str, Any] | None:
         """The page a ``request_sink_pages`` read returned; None when the sink is gone."""
         if ref is None:
             return None
         try:
-            return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
+            try:
+                return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, TypeError) or job_id in self._record_sinks:
+                    raise
+                # A sink from an older tail-ray (its class not loadable here): read records.
+                self._reading_records(job_id)
+                after_seq, limit = self._reads[job_id]
+                ref = self._read_page(job_id, self._sinks[job_id], after_seq, limit)
+                return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
         except ray.exceptions.RayActorError:
             self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
             return None
@@ -315,3 +360,5 @@ def _ray_job(d: Any) -> RayJob:
         start_time_s=d.start_time / 1000.0 if d.start_time else None,
         end_time_s=d.end_time / 1000.0 if d.end_time else None,
     )
+
+

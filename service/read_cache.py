@@ -6,6 +6,13 @@ while that row is unchanged, a summary / layers / steps read would compute the s
 hundred dashboards reading a job between two ingest transactions cost one computation, not a
 hundred. The version is read BEFORE the data, so a cached result is never older than its key.
 
+Bounded staleness (``max_age_s``, the ``read_max_staleness_s`` setting): a REST read may take
+a result built less than ``max_age_s`` ago without asking the database for the version at all
+(``recent``). Under ingest every job's version changes several times a second, so with exact
+versions nearly every dashboard poll rebuilt the newest-layers view (18 ms of SQL at 8 jobs x
+32 ranks x 200 layers); a dashboard polling every second cannot see half a second of age.
+0 means always exact. The live stream always asks with an exact version.
+
 Single flight: when a key's version changes, the first reader computes it and the readers that
 arrive meanwhile wait for that result instead of each running the same query (at a hundred
 dashboards a second, every ingest commit used to start a burst of identical queries).
@@ -14,6 +21,7 @@ dashboards a second, every ingest commit used to start a burst of identical quer
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TypeVar
@@ -30,14 +38,32 @@ class _Flight:
         self.error: BaseException | None = None
 
 
+MISS = object()  # what ``recent`` returns when it has nothing young enough
+
+
 class ReadCache:
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(self, max_entries: int = 1024, max_age_s: float = 0.0) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[Hashable, tuple[Hashable, object]] = OrderedDict()
+        self.max_age_s = max_age_s
+        # key -> (version, value, monotonic time its build started: the age of its data)
+        self._entries: OrderedDict[Hashable, tuple[Hashable, object, float]] = OrderedDict()
         self._flights: dict[tuple[Hashable, Hashable], _Flight] = {}
         self._lock = threading.Lock()  # routes run in FastAPI's thread pool
         self.hits = 0  # answered without running build (cached, or another reader's build)
         self.misses = 0  # builds run
+
+    def recent(self, key: Hashable, max_age_s: float | None = None) -> object:
+        """The cached value of ``key`` if its data is younger than ``max_age_s`` (default: the
+        cache's), else MISS."""
+        max_age_s = self.max_age_s if max_age_s is None else max_age_s
+        if max_age_s <= 0:
+            return MISS
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or time.monotonic() - entry[2] >= max_age_s:
+                return MISS
+            self.hits += 1
+            return entry[1]
 
     def get(self, key: Hashable, version: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -58,6 +84,7 @@ class ReadCache:
             if flight.error is not None:
                 raise flight.error
             return flight.value  # type: ignore[return-value]
+        started = time.monotonic()
         try:
             value = build()  # outside the lock: a slow read must not serialize the others
         except BaseException as exc:
@@ -66,7 +93,7 @@ class ReadCache:
         else:
             flight.value = value
             with self._lock:
-                self._entries[key] = (version, value)
+                self._entries[key] = (version, value, started)
                 self._entries.move_to_end(key)
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)

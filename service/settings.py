@@ -108,7 +108,20 @@ class Settings(BaseSettings):
 
     # --- background work ---
     ingest_enabled: bool = True
+    ingest_in_process: bool = Field(
+        False,
+        description="Run the ingester in a thread of the service process instead of its own child "
+        "process. The child (default) has its own interpreter lock, so ingesting 100k records/s "
+        "does not stall reads; a thread saves the child's start-up and memory (~100 MB).",
+    )
     ingest_interval_s: float = Field(1.0, gt=0, le=60)
+    ingest_niceness: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="CPU niceness of the ingest process (not with ingest_in_process): on a busy "
+        "machine the service's reads run first, ingest takes what is left.",
+    )
     ingest_batch_records: int = Field(
         5_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
     )
@@ -135,6 +148,15 @@ class Settings(BaseSettings):
 
     # --- reads ---
     sse_interval_s: float = Field(1.0, gt=0, le=60)
+    read_max_staleness_s: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="A metrics read (layers, steps, summary) may be served from a result computed "
+        "this long ago, without asking the database whether the job changed since: under ingest "
+        "a hundred dashboards then cost a few queries a second, not one each. 0: every read "
+        "sees the newest commit.",
+    )
     logs_max_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
     prometheus_max_jobs: int = Field(20, ge=1, le=1000)
     prometheus_max_layers: int = Field(64, ge=1, le=10_000)

@@ -8,13 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from service.deps import IngesterDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
+from service.deps import IngestStatusDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
 from service.errors import InvalidHeader
 from service.layer_bits import DEFAULT_MAX_POINTS, MAX_MAX_POINTS, LayerBitsHistory, layer_bits_view
 from service.prometheus import render_prometheus
 from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepsPage
-from service.views import layers_view, steps_view, summary_view
+from service.views import layers_json, steps_page_json, summary_json
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",
@@ -33,10 +33,12 @@ AfterStep = Annotated[int, Query(ge=-1, le=MAX_STEP, description="Only steps gre
 _STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 
 
-@router.get("/layers", operation_id="get_layer_metrics")
-def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> list[LayerLatest]:
+# The read routes return their cached JSON body as it is (views.py): response_model only
+# documents it in the OpenAPI schema.
+@router.get("/layers", operation_id="get_layer_metrics", response_model=list[LayerLatest])
+def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
-    return layers_view(storage, cache, job.id)
+    return _json(layers_json(storage, cache, job.id))
 
 
 @router.get("/layers/bits", operation_id="get_layer_bits_history")
@@ -58,24 +60,26 @@ def get_layer_bits_history(
     return layer_bits_view(storage, cache, job.id, max_points)
 
 
-@router.get("/steps", operation_id="get_step_metrics")
+@router.get("/steps", operation_id="get_step_metrics", response_model=StepsPage)
 def get_step_metrics(
     job: JobDep,
     storage: StorageDep,
     cache: ReadCacheDep,
     after_step: AfterStep = -1,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
-) -> StepsPage:
+) -> Response:
     """The per-step series, oldest first; page with ``next_after_step``."""
-    items = steps_view(storage, cache, job.id, after_step, limit)
-    next_after = items[-1].step if items else after_step
-    return StepsPage(job_id=job.id, items=items, next_after_step=next_after)
+    return _json(steps_page_json(storage, cache, job.id, after_step, limit))
 
 
-@router.get("/summary", operation_id="get_metrics_summary")
-def get_metrics_summary(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> MetricsSummary:
+@router.get("/summary", operation_id="get_metrics_summary", response_model=MetricsSummary)
+def get_metrics_summary(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Totals: traffic raw vs sent, traffic saved, overall and mean per-layer ratio."""
-    return summary_view(storage, cache, job.id)
+    return _json(summary_json(storage, cache, job.id))
+
+
+def _json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 @router.get(
@@ -141,7 +145,7 @@ def parse_last_event_id(value: str | None) -> int | None:
     responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}},
 )
 def prometheus_metrics(
-    request: Request, storage: StorageDep, settings: SettingsDep, ingester: IngesterDep
+    request: Request, storage: StorageDep, settings: SettingsDep, ingest: IngestStatusDep
 ) -> Response:
     """Prometheus text (OpenMetrics when Accept asks for it): job counts by status, per-job
     traffic and ratio for the newest ``prometheus_max_jobs`` jobs, per-layer ratio/bits capped at
@@ -150,9 +154,9 @@ def prometheus_metrics(
     body, content_type = render_prometheus(
         storage,
         settings,
-        ingester.last_error is None,
+        ingest.last_error is None,
         accept,
-        leader=ingester.is_leader,
-        stored_here=ingester.stored_records,
+        leader=ingest.leader,
+        stored_here=ingest.stored_records,
     )
     return Response(body, media_type=content_type)

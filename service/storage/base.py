@@ -12,6 +12,7 @@ Every method is synchronous and thread-safe: the app calls them from worker thre
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,9 @@ class IngestBatch:
     missed: int = 0
     dropped_in_sink: int = 0
     dropped_by_workers: int = 0
+    # A columnar page (``MetricsSink.read(columnar=True)``: "layer" / "step" field -> list, and
+    # "records" for the odd ones) stored instead of ``records``: the fast path.
+    columns: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,10 @@ class Storage(ABC):
     @abstractmethod
     def ingest(self, job_id: str, batch: IngestBatch) -> int:
         """Store a batch and advance the cursor in ONE transaction; returns records stored."""
+
+    @abstractmethod
+    def ingest_many(self, batches: Sequence[tuple[str, IngestBatch]]) -> list[int]:
+        """Several jobs' batches and cursors in ONE transaction; records stored per batch."""
 
     @abstractmethod
     def mark_drained(self, job_id: str) -> None: ...

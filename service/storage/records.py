@@ -113,6 +113,14 @@ def batch_rows(job_id: str, records: list[dict[str, Any]], after_seq: int) -> Ba
     running totals below count each record once.
     """
     out = BatchRows(max_seq=after_seq)
+    convert_records(job_id, records, after_seq, out)
+    finish_deltas(out)
+    return out
+
+
+def convert_records(job_id: str, records: list[dict[str, Any]], after_seq: int, out: BatchRows) -> None:
+    """Append the rows of ``records`` newer than ``after_seq`` to ``out``, one record at a time
+    (the reference path: the columnar one in columns.py falls back to it)."""
     layer_rows, step_rows = out.layer_rows, out.step_rows
     for rec in records:
         try:
@@ -131,9 +139,12 @@ def batch_rows(job_id: str, records: list[dict[str, Any]], after_seq: int) -> Ba
             continue
         if seq > out.max_seq:
             out.max_seq = seq
+
+
+def finish_deltas(out: BatchRows) -> None:
+    """The read-model deltas of the rows in ``out``."""
     _layer_deltas(out)
     _step_deltas(out)
-    return out
 
 
 def _layer_deltas(out: BatchRows) -> None:

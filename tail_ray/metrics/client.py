@@ -92,7 +92,11 @@ class MetricsClient:
             n = min(len(self._queue), self.max_batch_records)
             batch = [self._queue.popleft() for _ in range(n)]
             try:
-                ref: ray.ObjectRef = self._sink.push.remote(batch, self.dropped_records, self.rank)
+                # Keywords: a worker that cannot load the sink's class as it was when the sink
+                # started (another tail-ray version) has a handle that takes keywords only.
+                ref: ray.ObjectRef = self._sink.push.remote(
+                    records=batch, dropped_by_worker=self.dropped_records, rank=self.rank
+                )
             except Exception as exc:  # a dead actor handle can raise here; never fail training
                 self.failed_pushes += 1
                 self.dropped_records += n

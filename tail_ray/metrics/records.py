@@ -6,7 +6,7 @@ no import of torch or of these classes; ``type`` tells the two kinds apart.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # records stay importable without torch (the service reads them)
@@ -73,3 +73,9 @@ class StepMetric:
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "step", **asdict(self)}
+
+
+# The fields of each kind as they travel in a columnar sink page (``MetricsSink.read(columnar=True)``):
+# everything but job_id, which the page names once. The service stores them in this order.
+LAYER_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LayerMetric) if f.name != "job_id")
+STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepMetric) if f.name != "job_id")

@@ -12,11 +12,14 @@ tail of a finished job, then ``close_sink`` removes it.
 
 from __future__ import annotations
 
-import collections
+import bisect
 import logging
+import operator
 from typing import Any
 
 import ray
+
+from tail_ray.metrics.records import LAYER_FIELDS, STEP_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,62 @@ def sink_actor_name(job_id: str) -> str:
     return f"metrics-sink:{job_id}"
 
 
+class _Ring:
+    """The sink's bounded buffer: the pushed batches as they came (one chunk per push, not one
+    entry per record), so a push costs one append and a read finds its start by bisection
+    instead of walking records. Beyond ``capacity_records`` the oldest records are dropped."""
+
+    def __init__(self, capacity_records: int) -> None:
+        self.capacity_records = capacity_records
+        self._chunks: list[tuple[int, list[dict[str, Any]]]] = []  # (seq of its first record, records)
+        self._head = 0  # index of the oldest live chunk
+        self._head_skip = 0  # records already dropped from that chunk
+        self.size = 0
+        self.next_seq = 1
+        self.dropped = 0
+
+    def append(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            self._chunks.append((self.next_seq, records))
+            self.next_seq += len(records)
+            self.size += len(records)
+        while self.size > self.capacity_records:
+            _first, recs = self._chunks[self._head]
+            drop = min(self.size - self.capacity_records, len(recs) - self._head_skip)
+            self._head_skip += drop
+            self.size -= drop
+            self.dropped += drop
+            if self._head_skip == len(recs):
+                self._head, self._head_skip = self._head + 1, 0
+        if self._head > 1024 and self._head * 2 > len(self._chunks):
+            del self._chunks[: self._head]  # amortized: the list is rewritten once per half
+            self._head = 0
+
+    @property
+    def first_seq(self) -> int:
+        """The oldest buffered record's seq (``next_seq`` when empty)."""
+        if self.size == 0:
+            return self.next_seq
+        return self._chunks[self._head][0] + self._head_skip
+
+    def records_after(self, after_seq: int, limit: int) -> tuple[list[int], list[dict[str, Any]]]:
+        """Up to ``limit`` buffered records with seq > after_seq, oldest first, with their seqs."""
+        seqs: list[int] = []
+        out: list[dict[str, Any]] = []
+        want = max(after_seq + 1, self.first_seq)
+        if want >= self.next_seq:
+            return seqs, out
+        i = bisect.bisect_right(self._chunks, want, lo=self._head, key=lambda c: c[0]) - 1
+        while i < len(self._chunks) and len(out) < limit:
+            first, recs = self._chunks[i]
+            lo = max(0, want - first)
+            part = recs[lo : lo + limit - len(out)]
+            seqs.extend(range(first + lo, first + lo + len(part)))
+            out.extend(part)
+            i += 1
+        return seqs, out
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class MetricsSink:
     def __init__(self, job_id: str, capacity_records: int = DEFAULT_CAPACITY_RECORDS) -> None:
@@ -36,47 +95,49 @@ class MetricsSink:
             raise ValueError(f"capacity_records must be >= 1, got {capacity_records}")
         self.job_id = job_id
         self.capacity_records = capacity_records
-        self._buf: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=capacity_records)
-        self._next_seq = 1
-        self._dropped_in_sink = 0
+        self._ring = _Ring(capacity_records)
         self._dropped_by_workers: dict[int, int] = {}
         self._closed = False
 
     def push(self, records: list[dict[str, Any]], dropped_by_worker: int = 0, rank: int = -1) -> int:
         """Append records; returns the last sequence number given. ``dropped_by_worker`` is the
         running count of records that worker could not send (its own bounded queue overflowed)."""
-        for rec in records:
-            if len(self._buf) == self.capacity_records:
-                self._dropped_in_sink += 1
-            self._buf.append((self._next_seq, rec))
-            self._next_seq += 1
+        self._ring.append(list(records))
         if rank >= 0:
             self._dropped_by_workers[rank] = max(self._dropped_by_workers.get(rank, 0), dropped_by_worker)
-        return self._next_seq - 1
+        return self._ring.next_seq - 1
 
-    def read(self, after_seq: int = 0, limit: int = 10_000) -> dict[str, Any]:
-        """Records with seq > after_seq, oldest first, at most ``limit``.
+    # A detached sink outlives upgrades of the service that reads it. A process that cannot
+    # load this class as it was when the sink started (another tail-ray version) gets a handle
+    # whose methods take keyword arguments only ("too many positional arguments" otherwise):
+    # callers pass keywords, and a new parameter must have a default.
+    def read(self, after_seq: int = 0, limit: int = 10_000, columnar: bool = False) -> dict[str, Any]:
+        """Records with seq > after_seq, oldest first, at most ``limit``, each a dict with its
+        ``seq``.
 
         ``next_seq`` is the cursor to pass next time; ``missed`` counts records the reader
         asked for that the ring buffer had already dropped.
+
+        ``columnar=True``: the same page columnar, what the service ingests. ``layer`` and
+        ``step`` map each field (``seq`` first) to a list with one value per record of that
+        kind; ``records`` holds, as dicts, only the records that fit neither (another type, a
+        missing field), for the reader to judge; ``count`` is the page's size. A page of lists
+        of numbers costs the reader a fraction of what as many dicts cost to deserialize and
+        convert.
         """
-        limit = max(1, min(int(limit), 100_000))
-        first_seq = self._buf[0][0] if self._buf else self._next_seq
-        missed = max(0, first_seq - 1 - after_seq)
-        out = []
-        if self._buf:
-            start = max(0, after_seq + 1 - first_seq)
-            for i in range(start, min(len(self._buf), start + limit)):
-                seq, rec = self._buf[i]
-                out.append({"seq": seq, **rec})
-        cursor = out[-1]["seq"] if out else max(after_seq, first_seq - 1)
+        seqs, recs = self._ring.records_after(after_seq, _clamp(limit))
+        if columnar:
+            body = columns_of(seqs, recs)
+        else:
+            body = {"records": [{"seq": q, **r} for q, r in zip(seqs, recs, strict=True)]}
+        first_seq = self._ring.first_seq
         return {
             "job_id": self.job_id,
-            "records": out,
-            "next_seq": cursor,
-            "last_seq": self._next_seq - 1,
-            "missed": missed,
-            "dropped_in_sink": self._dropped_in_sink,
+            **body,
+            "next_seq": seqs[-1] if seqs else max(after_seq, first_seq - 1),
+            "last_seq": self._ring.next_seq - 1,
+            "missed": max(0, first_seq - 1 - after_seq),
+            "dropped_in_sink": self._ring.dropped,
             "dropped_by_workers": sum(self._dropped_by_workers.values()),
             "closed": self._closed,
         }
@@ -88,13 +149,46 @@ class MetricsSink:
     def stats(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
-            "buffered": len(self._buf),
+            "buffered": self._ring.size,
             "capacity_records": self.capacity_records,
-            "last_seq": self._next_seq - 1,
-            "dropped_in_sink": self._dropped_in_sink,
+            "last_seq": self._ring.next_seq - 1,
+            "dropped_in_sink": self._ring.dropped,
             "dropped_by_workers": sum(self._dropped_by_workers.values()),
             "closed": self._closed,
         }
+
+
+def columns_of(seqs: list[int], recs: list[Any]) -> dict[str, Any]:
+    """The body of a columnar page (``MetricsSink.read(columnar=True)``) for these records."""
+    kinds: dict[str, tuple[list[int], list[tuple[Any, ...]]]] = {"layer": ([], []), "step": ([], [])}
+    odd: list[dict[str, Any]] = []
+    for seq, rec in zip(seqs, recs, strict=False):
+        try:
+            kind = kinds[rec["type"]]
+            values = _GETTERS[rec["type"]](rec)
+        except (KeyError, TypeError):  # not a dict, another type, or a field missing
+            odd.append({"seq": seq, **rec} if isinstance(rec, dict) else {"seq": seq, "record": rec})
+            continue
+        kind[0].append(seq)
+        kind[1].append(values)
+    columns = {
+        name: {
+            "seq": kseqs,
+            **dict(zip(_FIELDS[name], map(list, zip(*rows, strict=False)), strict=False)),
+        }
+        if kseqs
+        else None
+        for name, (kseqs, rows) in kinds.items()
+    }
+    return {**columns, "records": odd, "count": len(seqs)}
+
+
+def _clamp(limit: int) -> int:
+    return max(1, min(int(limit), 100_000))
+
+
+_FIELDS = {"layer": LAYER_FIELDS, "step": STEP_FIELDS}
+_GETTERS = {kind: operator.itemgetter(*names) for kind, names in _FIELDS.items()}
 
 
 def get_or_create_sink(

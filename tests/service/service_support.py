@@ -54,6 +54,7 @@ def make_settings(db: Path | str, head: LocalRayHead | None, **overrides: Any) -
         "sync_interval_s": 0.5,
         "drain_grace_s": 0.5,
         "sse_interval_s": 0.2,
+        "read_max_staleness_s": 0.0,  # tests read right after they ingest; one test sets its own
         # Starlette's TestClient sends "Host: testserver".
         "allowed_hosts": ["127.0.0.1", "localhost", "::1", "testserver"],
         # Many tests insert a RUNNING job as a stand-in that Ray never had; the reconciler

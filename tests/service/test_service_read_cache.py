@@ -104,3 +104,37 @@ def test_readers_of_a_new_version_share_one_build_and_its_error() -> None:
     assert cache.get("k", 2, lambda: "recovered") == "recovered"
     with pytest.raises(RuntimeError):
         cache.get("k", 3, failing)
+
+
+def test_reads_may_be_as_old_as_read_max_staleness_s_and_no_older(storage_url: str) -> None:
+    """With ``read_max_staleness_s`` a REST read within the window is served from the last
+    result without asking the database (the load test's 100 dashboards); once the window
+    has passed it shows the newest commit. The stream still reads exact versions."""
+    store = open_storage(storage_url)
+    store.insert_job(job_id="j1", name="j1", source="api", status="RUNNING", entrypoint="x", spec=None)
+    _ingest_step(store, 0)
+    window_s = 1.0
+    with TestClient(create_app(make_settings(storage_url, None, read_max_staleness_s=window_s))) as client:
+        base = "/v1/jobs/j1/metrics"
+        before = time.monotonic()
+        first = client.get(f"{base}/summary").json()
+        assert first["last_step"] == 0
+        _ingest_step(store, 1)
+        if time.monotonic() - before < window_s * 0.8:  # a slow machine may already be past it
+            assert client.get(f"{base}/summary").json() == first  # young enough: not re-read
+        time.sleep(window_s)
+        assert client.get(f"{base}/summary").json()["last_step"] == 1
+        assert client.get(f"{base}/layers").json()[0]["step"] == 1
+    store.close()
+
+
+def test_recent_answers_only_within_max_age() -> None:
+    from service.read_cache import MISS
+
+    cache = ReadCache(max_age_s=0.3)
+    assert cache.recent("k") is MISS
+    assert cache.get("k", 1, lambda: "v1") == "v1"
+    assert cache.recent("k") == "v1"
+    time.sleep(0.35)
+    assert cache.recent("k") is MISS
+    assert ReadCache(max_age_s=0.0).recent("k") is MISS

@@ -1,6 +1,7 @@
 """Two replicas of the service on one PostgreSQL: both serve reads, exactly one ingests (an
 advisory lock), and when the ingesting one is killed mid-ingest (SIGKILL, no clean shutdown)
-the other takes over from the stored cursor: no record lost or stored twice."""
+the other takes over from the stored cursor: no record lost or stored twice. And within one
+replica: its ingest process, killed, is restarted from the stored cursor, and dies with it."""
 
 from __future__ import annotations
 
@@ -143,3 +144,115 @@ def test_killing_the_ingesting_replica_loses_and_doubles_nothing(
         stop_pushing.set()
         for r in replicas:
             r.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _ingest_child(replica: Replica) -> int | None:
+    """The pid of the replica's ingest process (service/ingest_process.py), if it runs now."""
+    for pid in _children(replica.proc.pid):
+        try:
+            if "service.ingest_process" in Path(f"/proc/{pid}/cmdline").read_text():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+def test_a_killed_ingest_process_is_restarted_and_dies_with_its_service(
+    head: LocalRayHead, tmp_path: Path
+) -> None:
+    """The ingester runs in a child process: SIGKILL it mid-ingest and the service starts a new
+    one that resumes from the stored cursor (every record once); SIGKILL the service and the
+    kernel stops the child too (the lifeline), so no orphan keeps the database."""
+    url = f"sqlite://{tmp_path / 'service.sqlite'}"
+    job_id = "ingest-child-job"
+    with open_storage(url) as store:
+        store.insert_job(job_id=job_id, name="child", source="ray", status="RUNNING",
+                         entrypoint="python -m jobs.train", spec=None)  # fmt: skip
+    sink = get_or_create_sink(job_id)
+    pushed = [int(ray.get(sink.push.remote(step_records(job_id, step)))) for step in range(200)]
+    replica = Replica("child", url, head, tmp_path)
+    try:
+        first = wait_for(lambda: _ingest_child(replica), 30, "the ingest process")
+        # ingest_niceness (the child sets it once it has read its settings): on a busy machine
+        # the service's reads run first.
+        wait_for(lambda: Path(f"/proc/{first}/stat").read_text().rsplit(")", 1)[1].split()[16] == "10",
+                 30, "the ingest process to lower its priority")  # fmt: skip
+
+        def cursor() -> int:
+            summary = httpx.get(f"{replica.base}/v1/jobs/{job_id}/metrics/summary", timeout=10).json()
+            return int(summary["ingest"]["cursor_seq"])
+
+        wait_for(lambda: cursor() > 200, 60, "ingest to start")
+        os.kill(first, signal.SIGKILL)  # mid-ingest: pages of 45 records
+        second = wait_for(lambda: (pid := _ingest_child(replica)) not in (None, first) and pid, 30,
+                          "a new ingest process")  # fmt: skip
+        pushed += [int(ray.get(sink.push.remote(step_records(job_id, step)))) for step in range(200, 220)]
+        last = pushed[-1]
+        wait_for(lambda: cursor() == last, 60, "the new ingest process to drain the sink")
+        assert replica.is_leader() and replica.stored_here() > 0
+        with open_storage(url) as store:
+            assert store.seqs(job_id) == list(range(1, last + 1))  # every record exactly once
+            assert store.summary(job_id)["steps"] == 220
+        replica.stop(signal.SIGKILL)
+        wait_for(lambda: not _alive(second), 30, "the orphaned ingest process to stop")
+    finally:
+        replica.stop()
+
+
+@ray.remote(num_cpus=0)
+class _SinkOfAnOlderRelease:
+    """A metrics sink as tail-ray released it before columnar pages: ``read`` has no
+    ``columnar`` parameter (detached sinks outlive service upgrades)."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.records = records
+
+    def read(self, after_seq: int = 0, limit: int = 10_000) -> dict:
+        out = [r for r in self.records if r["seq"] > after_seq][:limit]
+        return {
+            "job_id": "old-sink-job", "records": out, "next_seq": out[-1]["seq"] if out else after_seq,
+            "last_seq": len(self.records), "missed": 0, "dropped_in_sink": 0, "dropped_by_workers": 0,
+            "closed": False,
+        }  # fmt: skip
+
+
+def test_a_sink_of_an_older_release_is_read_as_records(head: LocalRayHead, tmp_path: Path) -> None:
+    from service_support import make_settings
+
+    from service.ingester import Ingester
+    from service.ray_client import RayGateway
+    from tail_ray.metrics.sink import SINK_NAMESPACE, sink_actor_name
+
+    job_id = "old-sink-job"
+    records = [
+        {"seq": i + 1, **r} for i, r in enumerate(r for s in range(30) for r in step_records(job_id, s))
+    ]
+    old = _SinkOfAnOlderRelease.options(  # type: ignore[attr-defined]
+        name=sink_actor_name(job_id), namespace=SINK_NAMESPACE, lifetime="detached"
+    ).remote(records)
+    settings = make_settings(tmp_path / "service.sqlite", head, ingest_batch_records=100)
+    with open_storage(settings.storage_url) as store:
+        store.insert_job(job_id=job_id, name="old", source="ray", status="RUNNING", entrypoint="x", spec=None)
+        ingester = Ingester(settings, store, RayGateway(settings))
+        try:
+            assert ingester.lease.try_acquire()
+            assert ingester.drain() == len(records)
+            assert store.seqs(job_id) == list(range(1, len(records) + 1))
+            assert store.summary(job_id)["steps"] == 30
+        finally:
+            ingester.close()
+            ray.kill(old)
