@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -152,14 +153,21 @@ def _store_steps(storage: Any, shape: Shape, templates: list[Any], steps: range,
             out.put((j, step, (step + 1) * shape.records_per_step, wall))
 
 
-def start_producer(shape: Shape, source: str, address: str, backlog_steps: int, capacity: int) -> Producer:
+def _niced(target: Any, niceness: int, *args: Any) -> None:
+    os.nice(niceness)  # before any thread starts: Ray's threads inherit it
+    target(*args)
+
+
+def start_producer(
+    shape: Shape, source: str, address: str, backlog_steps: int, capacity: int, niceness: int = 0
+) -> Producer:
     """``address``: the Ray GCS (source "sink") or the database URL (source "direct")."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: this process is a Ray driver already
     p = Producer(ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue())
     target = produce if source == "sink" else produce_direct
     p.process = ctx.Process(
-        target=target,
-        args=(shape, address, backlog_steps, capacity, p.ready, p.go, p.stop, p.out),
+        target=_niced,
+        args=(target, niceness, shape, address, backlog_steps, capacity, p.ready, p.go, p.stop, p.out),
         daemon=True,
     )
     p.process.start()

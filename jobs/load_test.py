@@ -216,6 +216,7 @@ def report(args: argparse.Namespace, shape: Shape, stats: RouteStats, watch: Ing
             "step_interval_s": shape.step_interval_s,
         },
         "backend": parse_storage_url(args.database_url)[0] if args.database_url else args.backend,
+        "generator_niceness": args.generator_niceness,
         "source": args.source,
         "pollers": args.pollers,
         "poll_interval_s": args.poll_interval_s,
@@ -307,10 +308,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             head = LocalRayHead(HeadPorts.pick(), num_cpus=1, log_path=tmp / "ray-head.log")
             head.start()
             stack.callback(head.stop)
+            if args.generator_niceness and head.process is not None:
+                # The head's process group: GCS, raylet, and the sink actors they start.
+                os.setpriority(os.PRIO_PGRP, os.getpgid(head.process.pid), args.generator_niceness)
             address = head.ports.gcs_address
             env["TAIL_RAY_RAY_ADDRESS"] = head.ports.gcs_address
             env["TAIL_RAY_RAY_DASHBOARD_URL"] = head.ports.dashboard_url
-        producer = start_producer(shape, args.source, address, args.backlog_steps, capacity)
+        producer = start_producer(
+            shape, args.source, address, args.backlog_steps, capacity, args.generator_niceness
+        )
         stack.callback(_stop_producer, producer)
         if not producer.ready.wait(timeout=args.timeout_s):
             raise RuntimeError("the producer did not fill the sinks in time")
@@ -341,7 +347,9 @@ def print_table(out: dict[str, Any]) -> None:
     s, o = out["shape"], out
     lines = [
         f"{s['jobs']} jobs x {s['ranks']} ranks x {s['layers']} layers, a step every"
-        f" {s['step_interval_s']} s; {o['backend']}, source {o['source']}; {o['machine']}",
+        f" {s['step_interval_s']} s; {o['backend']}, source {o['source']}"
+        + (f", generator at niceness {o['generator_niceness']}" if o["generator_niceness"] else "")
+        + f"; {o['machine']}",
         f"{'route':<10} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}",
     ]
     for route, r in o["routes"].items():
@@ -395,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--profile-out", type=Path, help="py-spy the service: .svg flamegraph, .txt raw stacks"
+    )
+    parser.add_argument(
+        "--generator-niceness",
+        type=int,
+        default=0,
+        help="CPU niceness of the load generator (the producer, the Ray head and its sink "
+        "actors; not the dashboards): approximates a generator on other machines",
     )
     parser.add_argument("--log-dir", type=Path, help="keep the service's and Ray head's logs here")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0, help="wait for ingest after the run")
