@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+from budget_support import budget_settings
 
 from tail_ray.bitwidth.allocate import (
     LayerCurve,
@@ -15,7 +16,7 @@ from tail_ray.bitwidth.allocate import (
     trade_layers,
 )
 from tail_ray.bitwidth.plan import BitController
-from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
+from tail_ray.bitwidth.policy import BudgetPolicy
 
 BITS = (2, 3, 4, 5, 6, 8)
 CAP = 2.0
@@ -173,17 +174,7 @@ def test_the_allocator_that_keeps_layer_terms_gives_what_a_fresh_allocation_give
 
 
 def _settings():
-    return BudgetSettings(
-        noise_fraction=0.25,
-        tau_default=0.25,
-        tau_min=1e-3,
-        tau_max=0.5,
-        warmup_steps=0,
-        critical_factor=0.5,
-        critical_steps=10,
-        lr_drop_ratio=0.8,
-        norm_jump=2.0,
-    )
+    return budget_settings(noise_fraction=0.25)
 
 
 def _controller(allocation):

@@ -15,6 +15,7 @@ import hashlib
 
 import numpy as np
 import torch
+from budget_support import budget_settings
 
 from tail_ray.bitwidth.allocate import LayerCurve, allocate_bits
 from tail_ray.bitwidth.plan import BitController
@@ -27,17 +28,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _settings() -> BudgetSettings:
-    return BudgetSettings(
-        noise_fraction=0.25,
-        tau_default=0.25,
-        tau_min=1e-3,
-        tau_max=0.5,
-        warmup_steps=3,
-        critical_factor=0.5,
-        critical_steps=6,
-        lr_drop_ratio=0.8,
-        norm_jump=2.0,
-    )
+    return budget_settings(noise_fraction=0.25, warmup_steps=3, critical_steps=6)
 
 
 def _gradients(rng: np.random.Generator, step: int) -> dict[str, np.ndarray]:

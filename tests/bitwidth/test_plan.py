@@ -1,26 +1,15 @@
 import numpy as np
+from budget_support import budget_settings
 
 from tail_ray.bitwidth.plan import BitController, pick_bits
-from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
+from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
 
 BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _settings(**over):
-    base = dict(
-        noise_fraction=1.0,
-        tau_default=0.25,
-        tau_min=1e-3,
-        tau_max=0.5,
-        warmup_steps=0,
-        critical_factor=0.5,
-        critical_steps=10,
-        lr_drop_ratio=0.8,
-        norm_jump=2.0,
-    )
-    base.update(over)
-    return BudgetSettings(**base)
+    return budget_settings(**over)
 
 
 def test_pick_bits_is_smallest_under_budget():
