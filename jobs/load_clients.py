@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from jobs.lean_http import LeanGet, LeanHTTPError
 from service.storage import parse_storage_url
 
 
@@ -204,8 +205,45 @@ class RouteStats:
         return [s for at, s in zip(self.sent_at, self.ordered_s, strict=True) if at >= t]
 
 
+class PollError(Exception):
+    """A dashboard's request failed before an HTTP status came back."""
+
+
+class HttpxPolls:
+    """The pollers' GETs through one shared httpx client (``--client httpx``)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def status_of(self, path: str) -> int:
+        try:
+            return (await self.client.get(path)).status_code
+        except httpx.HTTPError as exc:
+            raise PollError(type(exc).__name__) from exc
+
+    async def close(self) -> None:
+        pass  # the client belongs to the caller
+
+
+class LeanPolls:
+    """One keep-alive connection of the lean client (jobs/lean_http.py), as a browser keeps
+    one (``--client lean``, the default)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.conn = LeanGet(host, port)
+
+    async def status_of(self, path: str) -> int:
+        try:
+            return (await self.conn.get(path))[0]
+        except LeanHTTPError as exc:
+            raise PollError(str(exc)) from exc
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
 async def poller(
-    client: httpx.AsyncClient,
+    polls: HttpxPolls | LeanPolls,
     job_id: str,
     deadline: float,
     interval_s: float,
@@ -217,21 +255,25 @@ async def poller(
     a client following the series incrementally is what the SSE streams measure)."""
     await asyncio.sleep(offset_s)  # spread the pollers over one interval, as real browsers are
     i = 0
-    while time.monotonic() < deadline:
-        route = ("layers", "steps", "summary")[i % 3]
-        i += 1
-        path = f"/v1/jobs/{job_id}/metrics/{route}"
-        params = {"after_step": -1, "limit": 500} if route == "steps" else None
-        t0, sent_at = time.perf_counter(), time.monotonic()
-        try:
-            resp = await client.get(path, params=params)
-            if resp.status_code != 200:
-                stats.errors.append(f"{route}: HTTP {resp.status_code}")
-        except httpx.HTTPError as exc:
-            stats.errors.append(f"{route}: {type(exc).__name__}")
-        stats.add(route, time.perf_counter() - t0, sent_at)
-        if interval_s > 0:
-            await asyncio.sleep(interval_s)
+    try:
+        while time.monotonic() < deadline:
+            route = ("layers", "steps", "summary")[i % 3]
+            i += 1
+            path = f"/v1/jobs/{job_id}/metrics/{route}"
+            if route == "steps":
+                path += "?after_step=-1&limit=500"
+            t0, sent_at = time.perf_counter(), time.monotonic()
+            try:
+                status = await polls.status_of(path)
+                if status != 200:
+                    stats.errors.append(f"{route}: HTTP {status}")
+            except PollError as exc:
+                stats.errors.append(f"{route}: {exc}")
+            stats.add(route, time.perf_counter() - t0, sent_at)
+            if interval_s > 0:
+                await asyncio.sleep(interval_s)
+    finally:
+        await polls.close()
 
 
 async def streamer(

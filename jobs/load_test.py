@@ -4,7 +4,8 @@ while dashboards read.
     python -m jobs.load_test [--jobs 8] [--ranks 32] [--layers 200] [--step-interval-s 1]
                              [--backlog-steps 10] [--pollers 100] [--poll-interval-s 1]
                              [--streams 0] [--duration-s 30] [--backend sqlite|postgresql]
-                             [--source sink|direct] [--service-root PATH] [--profile-out FILE]
+                             [--source sink|direct] [--client lean|httpx] [--service-root PATH]
+                             [--profile-out FILE]
 
 What runs (all on 127.0.0.1, all started here and stopped by pid/handle at the end):
 
@@ -49,7 +50,9 @@ import httpx
 
 from jobs.load_clients import (
     CursorReader,
+    HttpxPolls,
     IngestWatch,
+    LeanPolls,
     Producer,
     RouteStats,
     Shape,
@@ -153,6 +156,7 @@ async def drive(
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30.0) as client:
         await asyncio.to_thread(insert_jobs, url, shape)  # the ingester finds them on its next pass
         t_go, wall_go, cpu_go = time.monotonic(), time.time(), cpu_seconds(service_pid)
+        client_cpu_go = time.process_time()
         producer.go.set()
         watcher = asyncio.create_task(
             watch_ingest(reader, shape, backlog_end, producer.out, stop_watch, watch)
@@ -160,14 +164,20 @@ async def drive(
         deadline = t_go + args.duration_s
         spread = args.poll_interval_s or 0.0
         job = [shape.job_id(i % shape.jobs) for i in range(max(args.pollers, args.streams))]
+        port = httpx.URL(base_url).port or 80
+        polls = [
+            LeanPolls("127.0.0.1", port) if args.client == "lean" else HttpxPolls(client)
+            for _ in range(args.pollers)
+        ]
         readers = [
-            poller(client, job[i], deadline, args.poll_interval_s, spread * i / args.pollers, stats)
+            poller(polls[i], job[i], deadline, args.poll_interval_s, spread * i / args.pollers, stats)
             for i in range(args.pollers)
         ]
         readers += [streamer(client, job[i], deadline, wall_go, stats) for i in range(args.streams)]
         await asyncio.gather(*readers)
         wall_s = time.monotonic() - t_go
         service_cores = (cpu_seconds(service_pid) - cpu_go) / wall_s
+        client_cores = (time.process_time() - client_cpu_go) / wall_s
         producer.stop.set()
         await _settle(watch, args.drain_timeout_s)
         stop_watch.set()
@@ -175,6 +185,7 @@ async def drive(
     reader.close()
     out = report(args, shape, stats, watch, t_go, wall_go, wall_s)
     out["service_cpu_cores"] = round(service_cores, 2)
+    out["client_cpu_cores"] = round(client_cores, 2)
     return out
 
 
@@ -219,6 +230,7 @@ def report(args: argparse.Namespace, shape: Shape, stats: RouteStats, watch: Ing
         "generator_niceness": args.generator_niceness,
         "source": args.source,
         "pollers": args.pollers,
+        "client": args.client,
         "poll_interval_s": args.poll_interval_s,
         "streams": args.streams,
         "duration_s": round(wall_s, 1),
@@ -374,7 +386,10 @@ def print_table(out: dict[str, Any]) -> None:
         f" {o['ingest_records_per_s']} records/s ({o['ingest_layer_records_per_s']} layer-records/s;"
         f" goal >= 100000); offered {o['offered_records_per_s']} records/s"
     )
-    lines.append(f"service    {o['service_cpu_cores']} cores on average (of {os.cpu_count()})")
+    lines.append(
+        f"service    {o['service_cpu_cores']} cores on average (of {os.cpu_count()}); the dashboards' "
+        f"client ({o['client']}) and watcher {o['client_cpu_cores']}"
+    )
     lines.append(
         f"lag        push -> stored, {o['lag_steps']} steps after catching up: p50 {o['lag_p50_s']} s,"
         f" p99 {o['lag_p99_s']} s, max {o['lag_max_s']} s (goal < 5 s); all {o['lag_all_steps']} live"
@@ -391,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-interval-s", type=float, default=1.0, help="0: no live steps, backlog only")
     parser.add_argument("--backlog-steps", type=int, default=10, help="steps per job buffered before ingest")
     parser.add_argument("--pollers", type=int, default=100, help="REST dashboards")
+    parser.add_argument(
+        "--client",
+        choices=("lean", "httpx"),
+        default="lean",
+        help="the pollers' HTTP client: lean (jobs/lean_http.py, one keep-alive connection each, "
+        "little CPU) or httpx (one shared client; about 1 ms of CPU per request here, which "
+        "showed up as service latency on two cores)",
+    )
     parser.add_argument("--poll-interval-s", type=float, default=1.0, help="per poller; 0 = back to back")
     parser.add_argument("--streams", type=int, default=0, help="SSE dashboards")
     parser.add_argument("--duration-s", type=float, default=30.0)

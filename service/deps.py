@@ -2,6 +2,11 @@
 
 The singletons (settings, storage, Ray gateway) are built once in ``main.create_app`` and
 kept on ``app.state``; routes receive them through the ``Annotated`` aliases below.
+
+Every dependency that does not touch the database is ``async def``: FastAPI runs a plain
+``def`` dependency in its thread pool, and on a busy machine each such hop waits for a thread
+to be scheduled and for the interpreter lock. A metric read used to make six of them before
+its handler ran (docs/operations.md, "Third pass").
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from service.errors import Forbidden, JobNotFound, Unauthorized
 from service.exposure import arrived_beyond_loopback
@@ -18,47 +24,47 @@ from service.ingester import Ingester, IngestStatus
 from service.live import LiveMetrics
 from service.packages import PackageStore
 from service.ray_client import RayGateway
-from service.read_cache import ReadCache
+from service.read_cache import MISS, ReadCache
 from service.settings import Settings
 from service.storage import JobRow, Storage
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_storage(request: Request) -> Storage:
+async def get_storage(request: Request) -> Storage:
     storage: Storage = request.app.state.storage
     return storage
 
 
-def get_read_cache(request: Request) -> ReadCache:
+async def get_read_cache(request: Request) -> ReadCache:
     cache: ReadCache = request.app.state.read_cache
     return cache
 
 
-def get_live(request: Request) -> LiveMetrics:
+async def get_live(request: Request) -> LiveMetrics:
     live: LiveMetrics = request.app.state.live
     return live
 
 
-def get_ray(request: Request) -> RayGateway:
+async def get_ray(request: Request) -> RayGateway:
     gateway: RayGateway = request.app.state.ray
     return gateway
 
 
-def get_packages(request: Request) -> PackageStore:
+async def get_packages(request: Request) -> PackageStore:
     store: PackageStore = request.app.state.packages
     return store
 
 
-def get_ingester(request: Request) -> Ingester:
+async def get_ingester(request: Request) -> Ingester:
     ingester: Ingester = request.app.state.ingester
     return ingester
 
 
-def get_ingest_status(request: Request) -> IngestStatus:
+async def get_ingest_status(request: Request) -> IngestStatus:
     """The ingester's status, from the thread or the child process that runs it."""
     status: IngestStatus = request.app.state.ingest_status()
     return status
@@ -85,12 +91,12 @@ def _check_token(settings: Settings, credentials: HTTPAuthorizationCredentials |
         raise Forbidden("invalid bearer token")
 
 
-def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
+async def require_token(settings: SettingsDep, credentials: BearerDep) -> None:
     """Every mutating route depends on this."""
     _check_token(settings, credentials)
 
 
-def guard_reads(request: Request, settings: SettingsDep, credentials: BearerDep) -> None:
+async def guard_reads(request: Request, settings: SettingsDep, credentials: BearerDep) -> None:
     """Read routes: open on loopback, guarded when the request came in beyond loopback (the
     service is bound to a network address) or ``read_requires_token`` says so."""
     required = settings.read_requires_token
@@ -113,7 +119,27 @@ def load_job(job_id: JobIdPath, storage: StorageDep) -> JobRow:
 JobDep = Annotated[JobRow, Depends(load_job)]
 
 
+async def load_job_for_reads(job_id: JobIdPath, storage: StorageDep, cache: ReadCacheDep) -> JobRow:
+    """``load_job`` for the metric reads, within their bounded staleness: a job row read less
+    than ``read_max_staleness_s`` ago is taken from the read cache on the event loop (a metric
+    read only needs the job to exist); otherwise it is read in the thread pool. The job routes
+    keep ``load_job``, exact: a client that just cancelled a job must see it cancelled."""
+    key = ("job", job_id)
+    hit = cache.recent(key)
+    if hit is not MISS:
+        return hit  # type: ignore[return-value]
+
+    def read() -> JobRow:
+        return load_job(job_id, storage)  # raises JobNotFound: nothing cached for a missing job
+
+    # A fresh version object: ``get`` always reads here; it only records when (for ``recent``).
+    return await run_in_threadpool(cache.get, key, object(), read)
+
+
+ReadJobDep = Annotated[JobRow, Depends(load_job_for_reads)]
+
+
 async def check_token_of(request: Request) -> None:
     """``require_token`` on a bare request: ``routing.AuthFirstRoute`` runs it before FastAPI
     reads the body (and so before any dependency)."""
-    _check_token(get_settings(request), await _bearer(request))
+    _check_token(request.app.state.settings, await _bearer(request))

@@ -40,6 +40,14 @@ def _cached(
     return cache.get(key, exact, lambda: build(exact))
 
 
+def recent_body(cache: ReadCache, key: tuple[Hashable, ...]) -> bytes | None:
+    """A ``*_json`` view's body if one younger than the cache's ``max_age_s`` is cached (the key
+    as that view builds it), else None: the routes answer this on the event loop without
+    touching the database."""
+    hit = cache.recent(key)
+    return None if hit is MISS else hit  # type: ignore[return-value]
+
+
 def layers_view(
     storage: Storage, cache: ReadCache, job_id: str, version: Hashable | None = None
 ) -> list[LayerLatest]:

@@ -7,14 +7,24 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from service.deps import IngestStatusDep, JobDep, LiveDep, ReadCacheDep, SettingsDep, StorageDep, guard_reads
+from service.deps import (
+    IngestStatusDep,
+    JobDep,
+    LiveDep,
+    ReadCacheDep,
+    ReadJobDep,
+    SettingsDep,
+    StorageDep,
+    guard_reads,
+)
 from service.errors import InvalidHeader
 from service.layer_bits import DEFAULT_MAX_POINTS, MAX_MAX_POINTS, LayerBitsHistory, layer_bits_view
 from service.prometheus import render_prometheus
 from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepsPage
-from service.views import layers_json, steps_page_json, summary_json
+from service.views import layers_json, recent_body, steps_page_json, summary_json
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",
@@ -34,11 +44,15 @@ _STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 
 
 # The read routes return their cached JSON body as it is (views.py): response_model only
-# documents it in the OpenAPI schema.
+# documents it in the OpenAPI schema. A body young enough for ``read_max_staleness_s`` is
+# answered on the event loop; only a rebuild goes to the thread pool (see deps.py for why).
 @router.get("/layers", operation_id="get_layer_metrics", response_model=list[LayerLatest])
-def get_layer_metrics(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
+async def get_layer_metrics(job: ReadJobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
-    return _json(layers_json(storage, cache, job.id))
+    body = recent_body(cache, ("layers.json", job.id))
+    if body is None:
+        body = await run_in_threadpool(layers_json, storage, cache, job.id)
+    return _json(body)
 
 
 @router.get("/layers/bits", operation_id="get_layer_bits_history")
@@ -61,21 +75,27 @@ def get_layer_bits_history(
 
 
 @router.get("/steps", operation_id="get_step_metrics", response_model=StepsPage)
-def get_step_metrics(
-    job: JobDep,
+async def get_step_metrics(
+    job: ReadJobDep,
     storage: StorageDep,
     cache: ReadCacheDep,
     after_step: AfterStep = -1,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
     """The per-step series, oldest first; page with ``next_after_step``."""
-    return _json(steps_page_json(storage, cache, job.id, after_step, limit))
+    body = recent_body(cache, ("steps.json", job.id, after_step, limit))
+    if body is None:
+        body = await run_in_threadpool(steps_page_json, storage, cache, job.id, after_step, limit)
+    return _json(body)
 
 
 @router.get("/summary", operation_id="get_metrics_summary", response_model=MetricsSummary)
-def get_metrics_summary(job: JobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
+async def get_metrics_summary(job: ReadJobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Totals: traffic raw vs sent, traffic saved, overall and mean per-layer ratio."""
-    return _json(summary_json(storage, cache, job.id))
+    body = recent_body(cache, ("summary.json", job.id))
+    if body is None:
+        body = await run_in_threadpool(summary_json, storage, cache, job.id)
+    return _json(body)
 
 
 def _json(body: bytes) -> Response:

@@ -27,12 +27,10 @@ from typing import Any
 
 from service.storage.sql import SqlBase
 
-# The job's step range: per layer its first step (an index seek each, layer_newest lists the
-# layers), and the newest step from layer_newest (kept by the ingest transaction).
+# The job's step range: its first step (one seek of the (job_id, step) index), and the newest
+# from layer_newest (kept by the ingest transaction).
 _SPAN = """
-SELECT MIN((SELECT MIN(m.step) FROM layer_metrics m WHERE m.job_id = n.job_id AND m.layer = n.layer))
-       AS lo,
-       MAX(n.step) AS hi
+SELECT (SELECT MIN(m.step) FROM layer_metrics m WHERE m.job_id = ?) AS lo, MAX(n.step) AS hi
 FROM layer_newest n WHERE n.job_id = ?
 """
 
@@ -76,7 +74,7 @@ class LayerBitsSql(SqlBase):
         lists ``steps`` (each window's newest step), ``bits`` (mean), ``min_bits``,
         ``max_bits``. Empty ``layers`` and null steps before the first record."""
         with self._read() as tx:
-            span = tx.one(_SPAN, (job_id,))
+            span = tx.one(_SPAN, (job_id, job_id))
             if span is None or span["lo"] is None or span["hi"] is None:
                 return {"first_step": None, "last_step": None, "step_width": 1, "layers": []}
             lo, hi = int(span["lo"]), int(span["hi"])

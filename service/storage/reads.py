@@ -16,16 +16,19 @@ from service.storage.sql import SqlBase
 _NO_UPPER_STEP = 2**62
 
 _LATEST_LAYERS = """
-WITH newest AS (
-    -- kept by the ingest transaction: one row per layer, no scan of the records
-    SELECT layer, step FROM layer_newest WHERE job_id = ?
+WITH newest_steps AS (
+    -- layer_newest is kept by the ingest transaction (one row per layer, no scan of the
+    -- records); its distinct steps are usually one: every layer reports every step
+    SELECT DISTINCT step FROM layer_newest WHERE job_id = ?
+), candidates AS MATERIALIZED (
+    -- the records of those steps, found through the (job_id, step) index
+    SELECT m.layer, m.step, m.rank, m.seq, m.numel, m.bits, m.density, m.raw_bytes,
+           m.encoded_bytes, m.rel_error, m.code
+    FROM newest_steps s {step_join} ON m.job_id = ? AND m.step = s.step
 ), per_rank AS (
-    SELECT m.layer, m.step, m.rank, m.seq, m.numel, m.bits, m.density, m.raw_bytes, m.encoded_bytes,
-           m.rel_error, m.code,
-           ROW_NUMBER() OVER (PARTITION BY m.layer, m.rank ORDER BY m.seq DESC) AS rn
-    -- newest drives the join and m is found through (job_id, layer, step): left to itself
-    -- SQLite's planner scanned every record of the job (0.86 s at 200k records, 0.07 s so).
-    FROM newest n {layer_join} ON m.job_id = ? AND m.layer = n.layer AND m.step = n.step
+    -- each record kept only at its layer's newest step (a primary-key seek each)
+    SELECT c.*, ROW_NUMBER() OVER (PARTITION BY c.layer, c.rank ORDER BY c.seq DESC) AS rn
+    FROM candidates c JOIN layer_newest n ON n.job_id = ? AND n.layer = c.layer AND n.step = c.step
 )
 SELECT layer, step, COUNT(*) AS ranks, MAX(numel) AS numel,
        CAST(AVG(bits) AS DOUBLE PRECISION) AS bits, CAST(AVG(density) AS DOUBLE PRECISION) AS density,
@@ -49,8 +52,8 @@ FROM per_rank WHERE rn = 1 GROUP BY step ORDER BY step LIMIT ?
 
 
 class ReadsSql(SqlBase):
-    # How the newest-layers query joins the records (reads the layer index); SQLite overrides.
-    layer_join = "JOIN layer_metrics m"
+    # How the newest-layers query joins the records (through the step index); SQLite overrides.
+    step_join = "JOIN layer_metrics m"
 
     def record_counts(self, job_id: str) -> tuple[int, int]:
         with self._read() as tx:
@@ -71,7 +74,7 @@ class ReadsSql(SqlBase):
         """Per layer, its newest step, aggregated over the ranks that reported that step.
         A rank that re-reports a step (after a restart) counts once: its newest record wins."""
         with self._read() as tx:
-            rows = tx.all(_LATEST_LAYERS.format(layer_join=self.layer_join), (job_id, job_id))
+            rows = tx.all(_LATEST_LAYERS.format(step_join=self.step_join), (job_id, job_id, job_id))
         out = []
         for r in rows:
             d = dict(r)

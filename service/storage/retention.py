@@ -41,13 +41,10 @@ class RetentionSql(SqlBase):
             )
             hi = min(bound, lo + max(1, max_rows // max(1, rows_per_step)))
             thin = " AND step >= ? AND step < ? AND step % ? != 0"
-            deleted_layers = 0
-            # Per layer, so each DELETE is a range of the (job_id, layer, step, ...) index.
-            for row in tx.all("SELECT layer FROM layer_newest WHERE job_id = ?", (job_id,)):
-                deleted_layers += tx.run(
-                    "DELETE FROM layer_metrics WHERE job_id = ? AND layer = ?" + thin,
-                    (job_id, row["layer"], lo, hi, policy.every_k),
-                )
+            # One range of the (job_id, step) index.
+            deleted_layers = tx.run(
+                "DELETE FROM layer_metrics WHERE job_id = ?" + thin, (job_id, lo, hi, policy.every_k)
+            )
             deleted_steps = tx.run(
                 "DELETE FROM step_metrics WHERE job_id = ?" + thin, (job_id, lo, hi, policy.every_k)
             )

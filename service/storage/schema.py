@@ -203,6 +203,17 @@ SQLITE_MIGRATIONS: tuple[str, ...] = (
         layer_records = (SELECT COUNT(*) FROM layer_metrics m WHERE m.job_id = ingest_cursors.job_id),
         step_records = (SELECT COUNT(*) FROM step_metrics m WHERE m.job_id = ingest_cursors.job_id);
     """,
+    # 4: the layer records' secondary index by (job_id, step) instead of (job_id, layer, step,
+    # rank, seq). Records arrive in step order, so each insert lands at the end of its job's
+    # range (one index page per job and batch instead of one per layer), and the key holds no
+    # layer name: executemany of the load test's rows ran at 217k rows/s with the old index and
+    # 353k with this one (that insert was 54% of the ingest process's samples). The newest-layers read
+    # finds the rows of the newest steps through it, retention deletes step ranges, the bits
+    # history's span reads the job's first step.
+    """
+    DROP INDEX IF EXISTS layer_metrics_by_layer;
+    CREATE INDEX layer_metrics_by_step ON layer_metrics (job_id, step);
+    """,
 )
 
 POSTGRES_MIGRATIONS: tuple[str, ...] = (
@@ -302,6 +313,11 @@ POSTGRES_MIGRATIONS: tuple[str, ...] = (
         world_size BIGINT NOT NULL,
         PRIMARY KEY (job_id, world_size)
     );
+    """,
+    # 2: as SQLite's 4, the layer records' index by (job_id, step).
+    """
+    DROP INDEX IF EXISTS layer_metrics_by_layer;
+    CREATE INDEX layer_metrics_by_step ON layer_metrics (job_id, step);
     """,
 )
 

@@ -50,10 +50,6 @@ class Tx(Protocol):
 class SqlBase(Storage):
     """A backend: the connection side of the shared SQL."""
 
-    # SQLite's planner needs this hint to start the newest-layers join from the layer index
-    # (reads.py); PostgreSQL plans it right by itself.
-    layer_index_hint = ""
-
     @abstractmethod
     def _read(self) -> AbstractContextManager[Tx]: ...
 

@@ -131,7 +131,7 @@ class _FlockLease(LeaderLease):
 
 class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql, LayerBitsSql):
     backend = "sqlite"
-    layer_join = "CROSS JOIN layer_metrics m INDEXED BY layer_metrics_by_layer"
+    step_join = "CROSS JOIN layer_metrics m INDEXED BY layer_metrics_by_step"
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path).expanduser()

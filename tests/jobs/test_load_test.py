@@ -23,6 +23,7 @@ def test_load_test_runs_clean_and_reports_figures() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["errors"] == 0, out["first_errors"]
+    assert out["client"] == "lean" and out["client_cpu_cores"] > 0
     assert set(out["routes"]) == {"layers", "steps", "summary"}
     for route in out["routes"].values():
         assert route["requests"] > 0 and route["p99_ms"] >= route["p50_ms"] > 0

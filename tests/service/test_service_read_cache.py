@@ -138,3 +138,33 @@ def test_recent_answers_only_within_max_age() -> None:
     time.sleep(0.35)
     assert cache.recent("k") is MISS
     assert ReadCache(max_age_s=0.0).recent("k") is MISS
+
+
+def test_metric_reads_take_the_job_row_from_the_window_but_never_a_404(storage_url: str) -> None:
+    """Within ``read_max_staleness_s`` the metric reads take the job row from the cache too (so
+    a cached answer needs no database and no thread at all); a job that was not there is looked
+    up again on the next read, and the job routes stay exact."""
+    store = open_storage(storage_url)
+    store.insert_job(job_id="j1", name="j1", source="api", status="RUNNING", entrypoint="x", spec=None)
+    _ingest_step(store, 0)
+    with TestClient(create_app(make_settings(storage_url, None, read_max_staleness_s=60.0))) as client:
+        storage = client.app.state.storage
+        looked_up: list[str] = []
+        real_get_job = storage.get_job
+
+        def counting_get_job(job_id: str) -> object:
+            looked_up.append(job_id)
+            return real_get_job(job_id)
+
+        storage.get_job = counting_get_job  # a spy on the real storage: counts, then reads
+        for route in ("summary", "layers", "steps?after_step=-1&limit=500", "summary"):
+            assert client.get(f"/v1/jobs/j1/metrics/{route}").status_code == 200
+        assert looked_up == ["j1"]  # the first read; the other three within the window
+
+        assert client.get("/v1/jobs/j2/metrics/summary").status_code == 404
+        store.insert_job(job_id="j2", name="j2", source="api", status="RUNNING", entrypoint="x", spec=None)
+        assert client.get("/v1/jobs/j2/metrics/summary").status_code == 200  # the 404 was not kept
+
+        store.update_job_status("j1", "FAILED", message="stopped by the test")
+        assert client.get("/v1/jobs/j1").json()["status"] == "FAILED"  # exact: load_job
+    store.close()
