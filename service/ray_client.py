@@ -319,7 +319,7 @@ class RayGateway:
                 ref = self._read_page(job_id, self._sinks[job_id], after_seq, limit)
                 return dict(ray.get(ref, timeout=self.settings.ray_timeout_s))
         except ray.exceptions.RayActorError:
-            self._sinks.pop(job_id, None)  # the sink was closed (or died) since we looked it up
+            self._forget_sink(job_id)  # the sink was closed (or died) since we looked it up
             return None
         except Exception as exc:
             raise self._unavailable(f"cannot read the metrics sink of job {job_id}", exc) from None
@@ -332,8 +332,14 @@ class RayGateway:
         except Exception as exc:
             raise self._unavailable("cannot list the metrics sinks", exc) from None
 
-    def close_sink(self, job_id: str) -> None:
+    def _forget_sink(self, job_id: str) -> None:
+        """Drop what this gateway keeps per sink: a month of jobs must not grow it."""
         self._sinks.pop(job_id, None)
+        self._reads.pop(job_id, None)
+        self._record_sinks.discard(job_id)
+
+    def close_sink(self, job_id: str) -> None:
+        self._forget_sink(job_id)
         self.connect()
         try:
             sink_mod.close_sink(job_id)

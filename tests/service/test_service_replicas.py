@@ -247,12 +247,18 @@ def test_a_sink_of_an_older_release_is_read_as_records(head: LocalRayHead, tmp_p
     settings = make_settings(tmp_path / "service.sqlite", head, ingest_batch_records=100)
     with open_storage(settings.storage_url) as store:
         store.insert_job(job_id=job_id, name="old", source="ray", status="RUNNING", entrypoint="x", spec=None)
-        ingester = Ingester(settings, store, RayGateway(settings))
+        gateway = RayGateway(settings)
+        ingester = Ingester(settings, store, gateway)
         try:
             assert ingester.lease.try_acquire()
             assert ingester.drain() == len(records)
             assert store.seqs(job_id) == list(range(1, len(records) + 1))
             assert store.summary(job_id)["steps"] == 30
+            assert job_id in gateway._record_sinks
+            ray.kill(old)  # the sink goes: the gateway keeps nothing of it (a month of jobs)
+            ingester.drain()
+            assert job_id not in gateway._sinks and job_id not in gateway._reads
+            assert job_id not in gateway._record_sinks
         finally:
             ingester.close()
             ray.kill(old)
