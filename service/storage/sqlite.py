@@ -41,6 +41,10 @@ from service.storage.sql import Row, Tx, placeholders
 logger = logging.getLogger(__name__)
 _BUSY_TIMEOUT_MS = 30_000
 CHECKPOINT_INTERVAL_S = 1.0
+# The WAL grows to hold what arrives between checkpoints (~500 MB while the load test's backlog
+# drained) and SQLite then reuses the file at that size for good. With this limit the writer
+# truncates it back once a checkpoint has copied it all: a PVC is not held by one burst.
+WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 class _Checkpointer:
@@ -161,6 +165,7 @@ class SqliteStorage(JobsSql, IngestSql, ReadsSql, RetentionSql, LayerBitsSql):
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread does it
+            conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         return conn
 
     @contextlib.contextmanager

@@ -459,3 +459,37 @@ def test_job_text_from_ray_with_a_nul_byte_is_stored_without_it(store: Storage) 
     store.update_job_status("j2", "FAILED", "died: \x00core dumped")
     job = store.get_job("j2")
     assert job is not None and (job.entrypoint, job.message) == ("python x", "died: core dumped")
+
+
+def test_the_sqlite_wal_is_truncated_after_a_burst_once_checkpointed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint thread copies the WAL into the database; the next write then truncates a
+    WAL a burst grew back to ``WAL_SIZE_LIMIT_BYTES`` instead of keeping its size for good."""
+    from service.storage import sqlite as sqlite_storage
+
+    limit = 64 * 1024
+    monkeypatch.setattr(sqlite_storage, "WAL_SIZE_LIMIT_BYTES", limit)
+    path = tmp_path / "burst.sqlite"
+    wal = Path(f"{path}-wal")
+    store = open_storage(f"sqlite://{path}")
+    store.insert_job(job_id="j1", name="j1", source="api", status="RUNNING", entrypoint="x", spec=None)
+    layers = tuple(f"block{i}.weight" for i in range(50))
+    seq = 1
+    for step in range(10):  # the burst: 10 steps x 8 ranks x 50 layers in one transaction each
+        recs = [{"seq": seq + i, **r} for i, r in enumerate(step_records("j1", step, ranks=8, layers=layers))]
+        seq += len(recs)
+        store.ingest("j1", IngestBatch(recs, seq - 1))
+    burst_bytes = wal.stat().st_size
+    assert burst_bytes > 4 * limit
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        time.sleep(sqlite_storage.CHECKPOINT_INTERVAL_S * 1.5)  # let the thread checkpoint it all
+        recs = [{"seq": seq + i, **r} for i, r in enumerate(step_records("j1", 100, ranks=1))]
+        seq += len(recs)
+        store.ingest("j1", IngestBatch(recs, seq - 1))  # a write after the checkpoint resets the WAL
+        if wal.stat().st_size <= limit:
+            break
+    assert wal.stat().st_size <= limit < burst_bytes
+    assert store.seqs("j1") == list(range(1, seq))  # nothing lost on the way
+    store.close()
