@@ -125,15 +125,18 @@ async def load_job_for_reads(job_id: JobIdPath, storage: StorageDep, cache: Read
     read only needs the job to exist); otherwise it is read in the thread pool. The job routes
     keep ``load_job``, exact: a client that just cancelled a job must see it cancelled."""
     key = ("job", job_id)
-    hit = cache.recent(key)
-    if hit is not MISS:
-        return hit  # type: ignore[return-value]
 
     def read() -> JobRow:
         return load_job(job_id, storage)  # raises JobNotFound: nothing cached for a missing job
 
-    # A fresh version object: ``get`` always reads here; it only records when (for ``recent``).
-    return await run_in_threadpool(cache.get, key, object(), read)
+    def reread() -> JobRow:
+        # A fresh version object: ``get`` always reads; it only records when (for ``recent``).
+        return cache.get(key, object(), read)
+
+    hit = cache.recent(key, refresh=reread)  # refreshed ahead of expiry, as the bodies are
+    if hit is not MISS:
+        return hit  # type: ignore[return-value]
+    return await run_in_threadpool(reread)
 
 
 ReadJobDep = Annotated[JobRow, Depends(load_job_for_reads)]

@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await app.state.live.close()
             if task is not None:
                 await task
+            await asyncio.to_thread(app.state.read_cache.close)  # a refresh reads the storage
             app.state.ingester.close()
             await asyncio.to_thread(storage.close)
 

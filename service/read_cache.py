@@ -13,6 +13,13 @@ versions nearly every dashboard poll rebuilt the newest-layers view (18 ms of SQ
 32 ranks x 200 layers); a dashboard polling every second cannot see half a second of age.
 0 means always exact. The live stream always asks with an exact version.
 
+Refresh ahead: a REST read that finds its result older than half of ``max_age_s`` is still
+answered with it at once, and hands the cache a refresh to run on its own thread (one per key
+at a time). While dashboards keep reading, a result is replaced before it expires, so no
+request waits for a build: with expiry alone every request that came after it waited for the
+newest-layers query (under the load test: p50 11.7 ms, against 2.8 ms when builds were ten
+times rarer). The bound is unchanged: nothing older than ``max_age_s`` is served.
+
 Single flight: when a key's version changes, the first reader computes it and the readers that
 arrive meanwhile wait for that result instead of each running the same query (at a hundred
 dashboards a second, every ingest commit used to start a burst of identical queries).
@@ -20,13 +27,17 @@ dashboards a second, every ingest commit used to start a burst of identical quer
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+REFRESH_AHEAD_FRACTION = 0.5  # of max_age_s: a read of an older result starts its refresh
 
 
 class _Flight:
@@ -49,28 +60,73 @@ class ReadCache:
         self._entries: OrderedDict[Hashable, tuple[Hashable, object, float]] = OrderedDict()
         self._flights: dict[tuple[Hashable, Hashable], _Flight] = {}
         self._lock = threading.Lock()  # routes run in FastAPI's thread pool
+        self._refreshing: set[Hashable] = set()
+        self._refresher: ThreadPoolExecutor | None = None  # started by the first refresh
+        self._closed = False
         self.hits = 0  # answered without running build (cached, or another reader's build)
         self.misses = 0  # builds run
 
-    def recent(self, key: Hashable, max_age_s: float | None = None) -> object:
+    def recent(
+        self, key: Hashable, max_age_s: float | None = None, refresh: Callable[[], object] | None = None
+    ) -> object:
         """The cached value of ``key`` if its data is younger than ``max_age_s`` (default: the
-        cache's), else MISS."""
+        cache's), else MISS. With ``refresh``, a value older than ``REFRESH_AHEAD_FRACTION`` of
+        that age is still returned, and ``refresh`` runs on the cache's thread (never two for one
+        key): it should store the current result with ``get``."""
         max_age_s = self.max_age_s if max_age_s is None else max_age_s
         if max_age_s <= 0:
             return MISS
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or time.monotonic() - entry[2] >= max_age_s:
+            age_s = None if entry is None else time.monotonic() - entry[2]
+            if entry is None or age_s is None or age_s >= max_age_s:
                 return MISS
             self.hits += 1
-            return entry[1]
+            start = (
+                refresh is not None
+                and age_s >= max_age_s * REFRESH_AHEAD_FRACTION
+                and key not in self._refreshing
+                and not self._closed
+            )
+            if start:
+                self._refreshing.add(key)
+                if self._refresher is None:  # two: a slow newest-layers build holds up no summary
+                    self._refresher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-refresh")
+                refresher = self._refresher
+            value = entry[1]
+        if start and refresh is not None:
+            refresher.submit(self._refresh, key, refresh)
+        return value
 
-    def get(self, key: Hashable, version: Hashable, build: Callable[[], T]) -> T:
+    def _refresh(self, key: Hashable, refresh: Callable[[], object]) -> None:
+        try:
+            refresh()
+        except Exception as exc:  # the next read past max_age_s builds it (and sees the error)
+            logger.warning("refreshing %r failed: %s", key, exc)
+        finally:
+            with self._lock:
+                self._refreshing.discard(key)
+
+    def close(self) -> None:
+        """Stop refreshing: waits for a refresh in progress (before the storage closes)."""
+        with self._lock:
+            self._closed = True
+            refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.shutdown(wait=True)
+
+    def get(
+        self, key: Hashable, version: Hashable, build: Callable[[], T], versioned_at: float | None = None
+    ) -> T:
+        """The value of ``key`` at ``version``, built once. ``versioned_at``: the monotonic time
+        ``version`` was read; a cached value it confirms counts as that young (``recent``)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry[0] == version:
                 self._entries.move_to_end(key)
                 self.hits += 1
+                if versioned_at is not None and versioned_at > entry[2]:
+                    self._entries[key] = (entry[0], entry[1], versioned_at)
                 return entry[1]  # type: ignore[return-value]
             flight = self._flights.get((key, version))
             owner = flight is None
@@ -84,7 +140,7 @@ class ReadCache:
             if flight.error is not None:
                 raise flight.error
             return flight.value  # type: ignore[return-value]
-        started = time.monotonic()
+        started = time.monotonic() if versioned_at is None else versioned_at
         try:
             value = build()  # outside the lock: a slow read must not serialize the others
         except BaseException as exc:

@@ -149,13 +149,14 @@ class Settings(BaseSettings):
     # --- reads ---
     sse_interval_s: float = Field(1.0, gt=0, le=60)
     read_max_staleness_s: float = Field(
-        0.5,
+        1.0,
         ge=0,
         le=60,
         description="A metrics read (layers, steps, summary) may be served from a result computed "
         "this long ago, without asking the database whether the job changed since: under ingest "
-        "a hundred dashboards then cost a few queries a second, not one each. 0: every read "
-        "sees the newest commit.",
+        "a hundred dashboards then cost a few queries a second, not one each. A result past half "
+        "of it is rebuilt in the background while it is still served, so reads do not wait for "
+        "builds. 0: every read sees the newest commit.",
     )
     logs_max_bytes: int = Field(256 * 1024, ge=1024, le=16 * 1024 * 1024)
     prometheus_max_jobs: int = Field(20, ge=1, le=1000)

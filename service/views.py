@@ -4,13 +4,15 @@ live stream both serve, so a dashboard on SSE and a poller on REST share one com
 The ``*_json`` views cache the rendered response body too: at a hundred dashboards a second,
 validating and serializing 200 layer objects per request (FastAPI does both for a returned
 model) cost more than the cached query saved. ``version=None`` (a REST read) may take a result
-younger than the cache's ``max_age_s`` without reading the version; the live stream passes the
-exact version of its snapshot.
+younger than the cache's ``max_age_s`` without reading the version, and refreshes it ahead of
+expiry (read_cache.py); the live stream passes the exact version of its snapshot.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import TypeAdapter
@@ -30,22 +32,22 @@ def _cached(
     version: Hashable | None,
     build: Callable[[Hashable], T],
 ) -> T:
-    job_id = key[1]
     if version is None:
-        hit = cache.recent(key)
+        hit = cache.recent(key, refresh=lambda: _current(storage, cache, key, build))
         if hit is not MISS:
             return hit  # type: ignore[return-value]
-        version = storage.ingest_version(str(job_id))
+        return _current(storage, cache, key, build)
     exact = version
     return cache.get(key, exact, lambda: build(exact))
 
 
-def recent_body(cache: ReadCache, key: tuple[Hashable, ...]) -> bytes | None:
-    """A ``*_json`` view's body if one younger than the cache's ``max_age_s`` is cached (the key
-    as that view builds it), else None: the routes answer this on the event loop without
-    touching the database."""
-    hit = cache.recent(key)
-    return None if hit is MISS else hit  # type: ignore[return-value]
+def _current(
+    storage: Storage, cache: ReadCache, key: tuple[Hashable, ...], build: Callable[[Hashable], T]
+) -> T:
+    """The result at the job's ingest version now (read before the data: never older than it)."""
+    versioned_at = time.monotonic()
+    version = storage.ingest_version(str(key[1]))  # every key's second part is its job id
+    return cache.get(key, version, lambda: build(version), versioned_at=versioned_at)
 
 
 def layers_view(
@@ -57,12 +59,34 @@ def layers_view(
     )  # fmt: skip
 
 
-def layers_json(storage: Storage, cache: ReadCache, job_id: str, version: Hashable | None = None) -> bytes:
+@dataclass(frozen=True)
+class Body:
+    """A route's JSON body in the cache: its key (the job id second) and how it is built at a
+    version."""
+
+    key: tuple[Hashable, ...]
+    build: Callable[[Hashable], bytes]
+
+
+def body_json(storage: Storage, cache: ReadCache, body: Body, version: Hashable | None = None) -> bytes:
+    return _cached(storage, cache, body.key, version, body.build)
+
+
+def recent_json(storage: Storage, cache: ReadCache, body: Body) -> bytes | None:
+    """The body if the cache holds one younger than its ``max_age_s``, else None: what the
+    routes answer on the event loop, without the database. Like ``body_json`` it starts a
+    refresh ahead of expiry."""
+    hit = cache.recent(body.key, refresh=lambda: _current(storage, cache, body.key, body.build))
+    return None if hit is MISS else hit  # type: ignore[return-value]
+
+
+def layers_body(storage: Storage, cache: ReadCache, job_id: str) -> Body:
     """``layers_view`` as the JSON body of the layers route (and the stream's layers event)."""
-    return _cached(
-        storage, cache, ("layers.json", job_id), version,
-        lambda v: _LAYERS.dump_json(layers_view(storage, cache, job_id, v)),
-    )  # fmt: skip
+    return Body(("layers.json", job_id), lambda v: _LAYERS.dump_json(layers_view(storage, cache, job_id, v)))
+
+
+def layers_json(storage: Storage, cache: ReadCache, job_id: str, version: Hashable | None = None) -> bytes:
+    return body_json(storage, cache, layers_body(storage, cache, job_id), version)
 
 
 def summary_view(
@@ -73,11 +97,10 @@ def summary_view(
     )
 
 
-def summary_json(storage: Storage, cache: ReadCache, job_id: str) -> bytes:
-    return _cached(
-        storage, cache, ("summary.json", job_id), None,
-        lambda v: summary_view(storage, cache, job_id, v).model_dump_json().encode(),
-    )  # fmt: skip
+def summary_body(storage: Storage, cache: ReadCache, job_id: str) -> Body:
+    return Body(
+        ("summary.json", job_id), lambda v: summary_view(storage, cache, job_id, v).model_dump_json().encode()
+    )
 
 
 def steps_view(
@@ -95,7 +118,7 @@ def steps_view(
     )  # fmt: skip
 
 
-def steps_page_json(storage: Storage, cache: ReadCache, job_id: str, after_step: int, limit: int) -> bytes:
+def steps_page_body(storage: Storage, cache: ReadCache, job_id: str, after_step: int, limit: int) -> Body:
     """The steps route's body: a page of the series and the cursor of the next one."""
 
     def build(version: Hashable) -> bytes:
@@ -103,4 +126,4 @@ def steps_page_json(storage: Storage, cache: ReadCache, job_id: str, after_step:
         next_after = items[-1].step if items else after_step
         return StepsPage(job_id=job_id, items=items, next_after_step=next_after).model_dump_json().encode()
 
-    return _cached(storage, cache, ("steps.json", job_id, after_step, limit), None, build)
+    return Body(("steps.json", job_id, after_step, limit), build)

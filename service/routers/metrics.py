@@ -22,9 +22,11 @@ from service.deps import (
 from service.errors import InvalidHeader
 from service.layer_bits import DEFAULT_MAX_POINTS, MAX_MAX_POINTS, LayerBitsHistory, layer_bits_view
 from service.prometheus import render_prometheus
+from service.read_cache import ReadCache
 from service.routing import AuthFirstRoute
 from service.schemas import LayerLatest, MetricsSummary, StepsPage
-from service.views import layers_json, recent_body, steps_page_json, summary_json
+from service.storage import Storage
+from service.views import Body, body_json, layers_body, recent_json, steps_page_body, summary_body
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",
@@ -49,10 +51,7 @@ _STEP_TEXT = re.compile(r"-?[0-9]{1,16}")
 @router.get("/layers", operation_id="get_layer_metrics", response_model=list[LayerLatest])
 async def get_layer_metrics(job: ReadJobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Per layer, its newest step aggregated over ranks: bits, density, ratio, bytes, error."""
-    body = recent_body(cache, ("layers.json", job.id))
-    if body is None:
-        body = await run_in_threadpool(layers_json, storage, cache, job.id)
-    return _json(body)
+    return await _answer(storage, cache, layers_body(storage, cache, job.id))
 
 
 @router.get("/layers/bits", operation_id="get_layer_bits_history")
@@ -83,23 +82,21 @@ async def get_step_metrics(
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Response:
     """The per-step series, oldest first; page with ``next_after_step``."""
-    body = recent_body(cache, ("steps.json", job.id, after_step, limit))
-    if body is None:
-        body = await run_in_threadpool(steps_page_json, storage, cache, job.id, after_step, limit)
-    return _json(body)
+    return await _answer(storage, cache, steps_page_body(storage, cache, job.id, after_step, limit))
 
 
 @router.get("/summary", operation_id="get_metrics_summary", response_model=MetricsSummary)
 async def get_metrics_summary(job: ReadJobDep, storage: StorageDep, cache: ReadCacheDep) -> Response:
     """Totals: traffic raw vs sent, traffic saved, overall and mean per-layer ratio."""
-    body = recent_body(cache, ("summary.json", job.id))
-    if body is None:
-        body = await run_in_threadpool(summary_json, storage, cache, job.id)
-    return _json(body)
+    return await _answer(storage, cache, summary_body(storage, cache, job.id))
 
 
-def _json(body: bytes) -> Response:
-    return Response(body, media_type="application/json")
+async def _answer(storage: Storage, cache: ReadCache, body: Body) -> Response:
+    """A young cached body on the event loop; a build in the thread pool."""
+    json_bytes = recent_json(storage, cache, body)
+    if json_bytes is None:
+        json_bytes = await run_in_threadpool(body_json, storage, cache, body)
+    return Response(json_bytes, media_type="application/json")
 
 
 @router.get(

@@ -168,3 +168,52 @@ def test_metric_reads_take_the_job_row_from_the_window_but_never_a_404(storage_u
         store.update_job_status("j1", "FAILED", message="stopped by the test")
         assert client.get("/v1/jobs/j1").json()["status"] == "FAILED"  # exact: load_job
     store.close()
+
+
+def test_a_result_past_half_its_age_is_served_at_once_and_refreshed_once_behind() -> None:
+    """Refresh ahead: reads of a result older than half of ``max_age_s`` get it without
+    waiting, one refresh runs on the cache's thread (however many reads came), its result
+    replaces the old one; a failed refresh is logged and the next read tries again."""
+    from service.read_cache import MISS
+
+    cache = ReadCache(max_age_s=2.0)
+    cache.get("k", 1, lambda: "v1")
+    started: list[str] = []
+    gate = threading.Event()
+
+    def refresh() -> None:
+        started.append(threading.current_thread().name)
+        assert gate.wait(10)
+        cache.get("k", 2, lambda: "v2", versioned_at=time.monotonic())
+
+    assert cache.recent("k", refresh=refresh) == "v1"
+    time.sleep(0.2)
+    assert started == []  # young: no refresh yet
+    time.sleep(1.0)  # past half of max_age_s (1 s), well within it
+    assert [cache.recent("k", refresh=refresh) for _ in range(5)] == ["v1"] * 5
+    gate.set()
+    deadline = time.monotonic() + 10
+    while cache.recent("k") != "v2" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cache.recent("k") == "v2"
+    assert len(started) == 1 and started[0].startswith("read-refresh")
+
+    failures: list[int] = []
+
+    def failing() -> None:
+        failures.append(1)
+        raise RuntimeError("database gone")
+
+    stale = ReadCache(max_age_s=2.0)
+    stale.get("k", 1, lambda: "v1", versioned_at=time.monotonic() - 1.05)  # past half already
+    assert stale.recent("k", refresh=failing) == "v1"
+    deadline = time.monotonic() + 10
+    while len(failures) < 2 and time.monotonic() < deadline:
+        stale.recent("k", refresh=failing)  # once the failed refresh is over, a read starts another
+        time.sleep(0.02)
+    assert len(failures) >= 2
+    cache.close()
+    stale.close()
+    time.sleep(1.1)  # "v2" is past half its age again
+    assert cache.recent("k", refresh=refresh) in ("v2", MISS)  # closed: serves, starts nothing
+    assert len(started) == 1
