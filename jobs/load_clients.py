@@ -249,12 +249,14 @@ async def poller(
     interval_s: float,
     offset_s: float,
     stats: RouteStats,
+    first_route: int = 0,
 ) -> None:
     """A dashboard that polls: one route per interval, round robin over layers, steps, summary
     (steps: the first 500, as the load test always asked, so figures compare across versions;
-    a client following the series incrementally is what the SSE streams measure)."""
+    a client following the series incrementally is what the SSE streams measure), starting at
+    ``first_route`` of the three."""
     await asyncio.sleep(offset_s)  # spread the pollers over one interval, as real browsers are
-    i = 0
+    i = first_route
     try:
         while time.monotonic() < deadline:
             route = ("layers", "steps", "summary")[i % 3]

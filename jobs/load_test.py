@@ -170,7 +170,13 @@ async def drive(
             for _ in range(args.pollers)
         ]
         readers = [
-            poller(polls[i], job[i], deadline, args.poll_interval_s, spread * i / args.pollers, stats)
+            # A job's dashboards start at different routes, as browsers opened at different
+            # times would: all starting at /layers put every job's reads of one route into the
+            # same second of each three, and two seconds of none (each result expired between).
+            poller(
+                polls[i], job[i], deadline, args.poll_interval_s, spread * i / args.pollers, stats,
+                first_route=(i // shape.jobs) % 3,
+            )
             for i in range(args.pollers)
         ]
         readers += [streamer(client, job[i], deadline, wall_go, stats) for i in range(args.streams)]
