@@ -18,8 +18,10 @@ residual ratio can sit well below the quantizer's (digits' fc1 at rank 8: rho 0.
 - stay: while low-rank, the residual's ratio is MEASURED every step (an EMA, the kernel's own
   ||e||^2); past ``exit_slack`` x rho_q (the budget's current bits: a critical phase that
   tightens tau tightens this too) after ``dwell_steps``, the next candidate rank that still
-  saves bytes is tried, else the layer goes back to the quantizer (its residual carries
-  over: nothing is lost), and waits twice as long before its next trial.
+  saves bytes is tried (and the layer never goes below it again while low-rank), else the
+  layer goes back to the quantizer (its residual carries over: nothing is lost), and waits
+  twice as long before its next trial. Every ``trial_every_steps`` the current factors'
+  singular values say whether a lower rank would keep the residual under half the target.
 - bytes: the quantized bytes are the layer's own last payload; low-rank bytes are bounded by
   bit-packed factors (``lowrank.factor_bytes``), then measured. A low-rank layer whose
   measured bytes stop saving ``min_gain / 2`` goes back.
@@ -82,6 +84,7 @@ class _Layer:
     lowrank_bytes: float | None = None  # ... and low-rank, at ``rank``
     ratio_ema: float | None = None
     steps_in_mode: int = 0
+    floor: int = 0  # a rank the measured residual outgrew: never lowered below again while low-rank
     next_trial: int = 0
     backoff: int = 1
     history: list[int] = field(default_factory=list)
@@ -248,6 +251,7 @@ class LowRankChooser:
                 r = higher[0]
                 extra = torch.randn(layer.cols, r - layer.rank, generator=self._gen)
                 layer.q_warm = torch.cat((q_next, extra), dim=1).contiguous()
+                layer.floor = r
                 layer.rank = r
                 layer.steps_in_mode = 0
                 layer.ratio_ema = None
@@ -262,13 +266,15 @@ class LowRankChooser:
         """A lower rank, where the current factors say it would meet the target too: Q = M^T P
         with P orthonormal, so the singular values of Q give the energy every lower rank keeps
         of this step's M (an entry trial's estimate, on the steady-state M)."""
-        lower = [r for r in self.settings.ranks if r < layer.rank]
+        lower = [r for r in self.settings.ranks if layer.floor <= r < layer.rank]
         if not lower or not (m_sq > 0 and math.isfinite(m_sq)):
             return
         captured, basis = _captured_energy(q)
         for r in lower:
             nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
-            if nu < 1 and nu / (1 - nu) <= target:
+            # Half the target: a rank that only just fits this step's M outgrows it once the
+            # directions it drops pile up in the residual (measured: rank 4 -> 1 -> 2 -> 4).
+            if nu < 1 and nu / (1 - nu) <= target / 2:
                 layer.rank = r
                 layer.q_warm = basis[:, :r].contiguous()
                 layer.ratio_ema = None
@@ -278,6 +284,7 @@ class LowRankChooser:
 
     def _leave(self, layer: _Layer, step: int) -> None:
         layer.rank = 0
+        layer.floor = 0
         layer.q_warm = None
         layer.ratio_ema = None
         layer.steps_in_mode = 0
