@@ -197,11 +197,15 @@ class LowRankChooser:
         if not (m_sq > 0 and math.isfinite(m_sq)):
             return math.inf
         q = layer.trial_q
+        iterations = 1
         if q is None or q.shape[1] != top:
-            # A cold start: one iteration from random directions underestimates what rank r
-            # keeps (a conservative entry); later trials start from the last trial's Q.
+            # A cold start: from random directions one iteration underestimates what rank r
+            # keeps (measured on digits: fc1 then entered 80-280 steps later or not at
+            # all, 11.4x instead of 16.8x over 5 seeds); later trials start from the last Q.
             q = torch.randn(layer.cols, top, generator=self._gen)
-        _p, q = power_step(m, q)
+            iterations = 2
+        for _ in range(iterations):
+            _p, q = power_step(m, q)
         layer.trial_q = q
         captured, basis = _captured_energy(q)
         best = math.inf
