@@ -161,6 +161,10 @@ class TailConfig:
             )
         if self.lowrank != "off" and not self.error_feedback:
             raise ConfigError("lowrank needs error_feedback: a low-rank step leaves most of a gradient to it")
+        factor_bits = self.lowrank_bits
+        if not (isinstance(factor_bits, int | float) and float(factor_bits).is_integer()):
+            raise ConfigError(f"lowrank_bits must be an integer in 2..8, got {factor_bits!r}")
+        object.__setattr__(self, "lowrank_bits", int(factor_bits))  # YAML / --set may give 8.0
         object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
 
     def lowrank_settings(self) -> LowRankSettings:
