@@ -175,6 +175,11 @@ def test_lowrank_needs_error_feedback_and_a_known_mode() -> None:
         TailConfig(lowrank="auto", error_feedback=False)
     with pytest.raises(ConfigError, match="lowrank_ranks"):
         TailConfig(lowrank="auto", lowrank_ranks=(0, 2))
+    with pytest.raises(ConfigError, match="lowrank_target"):
+        TailConfig(lowrank="auto", lowrank_target="loose")
+    with pytest.raises(ConfigError, match="lowrank_bits"):
+        TailConfig(lowrank="auto", lowrank_bits=6.5)
+    assert TailConfig(lowrank="auto", lowrank_bits=6.0, lowrank_ranks=[4, 2]).lowrank_ranks == (2, 4)
 
 
 def test_error_feedback_keeps_exactly_what_the_receivers_did_not_get() -> None:
@@ -268,3 +273,18 @@ def test_sharded_compression_stays_quantized() -> None:
     g = _low_rank_gradient(128, 256, 2, 9, noise=0.01)
     payloads = comp.compress_shards({"w": g}, [{"w": slice(0, 16384)}, {"w": slice(16384, 32768)}])
     assert all(isinstance(rec, QuantRecord) for p in payloads for rec in decode_payload(p))
+
+
+def test_an_exactly_low_rank_layer_stays_quantized_when_its_factors_would_not_save_bytes() -> None:
+    # A 32 x 144 layer (conv2 of digits_cnn as a matrix) whose gradient has rank 12: rank 16
+    # would hold it exactly, but 16 x (32 + 144) factor bytes are more than 80 % of its ~2 KB
+    # quantized payload, and rank 8 leaves a third of it. The same gradient family at rank 2
+    # is cheaper low-rank, and is sent so.
+    rank12, rank2 = _tail(), _tail()
+    for step in range(16):
+        rank12.compress({"w": _low_rank_gradient(32, 144, 12, step, noise=0.0)})
+        rank2.compress({"w": _low_rank_gradient(32, 144, 2, step, noise=0.0)})
+    assert rank12.lowrank is not None and rank2.lowrank is not None
+    assert rank12.lowrank.rank_of("w") == 0
+    assert not rank12.last_stats[0].code.startswith("lowrank")
+    assert rank2.lowrank.rank_of("w") in (2, 4)
