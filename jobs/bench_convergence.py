@@ -161,6 +161,7 @@ class RunResult:
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
     tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
     tail_stage_two_bits: dict[str, int] | None = None  # the second stage's, as tail_bits (rank 0)
+    tail_lowrank: dict[str, dict[str, int]] | None = None  # layer -> {"r8": steps sent at rank 8}, 2nd half
     tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
     world_size: int = WORLD_SIZE
     collective: str = "allreduce"  # the collective a payload method ran
@@ -242,6 +243,7 @@ def _train_one(
     bits_elems_two: Counter = Counter()  # sharded / hierarchical: the second stage's
     errors: tuple[list[float], list[float]] = ([], [])  # estimated relative error, stage one / two
     bits_history: dict[str, list[int]] = {}
+    lowrank_steps: dict[str, Counter] = {}  # layer -> rank -> steps sent low-rank (2nd half)
     decision_s: list[float] = []  # Tail's controller, per step (rank 0's is reported)
     tail = getattr(state, "compressor", None)
     controller = tail.controller if isinstance(tail, TailCompressor) else None
@@ -274,7 +276,9 @@ def _train_one(
                 bits_history.setdefault(layer.layer, []).append(layer.bits)
         if method == "tail" and step >= steps // 2:
             for layer in m.layers:
-                if layer.bits < 32:
+                if layer.code.startswith("lowrank"):  # code "lowrank-r<rank>": not a bit-width
+                    lowrank_steps.setdefault(layer.layer, Counter())[layer.code.removeprefix("lowrank-")] += 1
+                elif layer.bits < 32:
                     bits_elems[layer.bits] += layer.numel
                     errors[0].append(layer.rel_error)
             for layer in m.stage_two:  # the slices this rank re-compressed as an owner
@@ -288,6 +292,7 @@ def _train_one(
     extra = _tail_details(state, bits_elems, compress_s, decision_s) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
+        extra["tail_lowrank"] = {name: dict(sorted(c.items())) for name, c in lowrank_steps.items()}
         if bits_elems_two:
             total = sum(bits_elems_two.values())
             extra["tail_stage_two_bits"] = {
@@ -418,6 +423,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
                     print(
                         f"[{r['label']}] second stage (rank 0's slices), 2nd half: {r['tail_stage_two_bits']}"
                     )
+                if r.get("tail_lowrank"):
+                    shown = "; ".join(
+                        f"{name} " + ", ".join(f"{rank} x{n}" for rank, n in ranks.items())
+                        for name, ranks in r["tail_lowrank"].items()
+                    )
+                    print(f"[{r['label']}] sent low-rank (steps per rank, 2nd half): {shown}")
                 errs = r.get("tail_rel_error") or []
                 if errs:
                     shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)

@@ -22,10 +22,11 @@ import torch
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
 from tail_ray.compression.fixedsum import sum_squares
+from tail_ray.compression.lowrank import compress_lowrank
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import QuantRecord
-from tail_ray.compression.wire import decode_payload
+from tail_ray.compression.wire import decode_payload, encode_payload
 from tail_ray.kernel_cache import prune_versions, version_dir
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ def _compressors() -> None:
             payload = comp.compress(grads)
             comp.decompress(payload)
             decode_payload(payload)
+    # Tail's low-rank layers (lowrank="auto"): factors, their product, the LOWRANK code.
+    matrix = rng.standard_normal(64 * 96).astype(np.float32)
+    q_warm = torch.from_numpy(rng.standard_normal((96, 4)).astype(np.float32))
+    record, _q, _product = compress_lowrank(
+        "lowrank", matrix, 64, 96, q_warm, bits=8, bucket_size=512, seed=0
+    )
+    decode_payload(encode_payload([record])[0])
 
 
 def _means(max_world: int) -> None:

@@ -100,9 +100,7 @@ class BitController:
             return True
         return tau > plan.tau * _TAU_MOVE or tau < plan.tau / _TAU_MOVE
 
-    def plan(
-        self, name: str, g: LayerArray, residual: Residual | None, step: int, norm: float
-    ) -> LayerPlan:
+    def plan(self, name: str, g: LayerArray, residual: Residual | None, step: int, norm: float) -> LayerPlan:
         """The plan for this layer at this step (re-deciding when stale)."""
         self.policy.observe_norm(name, norm, step)
         # Drift is judged on the smoothed norm: small-batch gradient norms swing by 50 % from

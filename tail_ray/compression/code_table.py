@@ -28,6 +28,7 @@ import numpy as np
 
 from tail_ray.compression.codes import AnyCode, Code, LevelCode, LevelStats, check_bits
 from tail_ray.compression.dense_codes import BitPackCode, RansCode, RansPairsCode, RawCode
+from tail_ray.compression.lowrank_code import LowRankCode
 from tail_ray.compression.pair_symbols import PAIR_MAX_BITS
 from tail_ray.compression.records import Kind, LayerRecord, QuantRecord
 from tail_ray.compression.sparse_codes import SparsePosCode, SparseRansCode
@@ -130,7 +131,7 @@ def _forced(force: Code, weighed: Sequence[tuple[AnyCode, float]], layer: Any) -
 
 
 DEFAULT_CODES = CodeTable(
-    [RawCode(), BitPackCode(), RansCode(), RansPairsCode(), SparseRansCode(), SparsePosCode()]
+    [RawCode(), BitPackCode(), RansCode(), RansPairsCode(), SparseRansCode(), SparsePosCode(), LowRankCode()]
 )
 CODE_NAMES = {code: DEFAULT_CODES.name(code) for code in Code}
 

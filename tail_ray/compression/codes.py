@@ -52,6 +52,7 @@ class Code(IntEnum):
     SPARSE_RANS = 4
     SPARSE_POS = 5  # SPARSE_F32: positions as sparse gaps, values raw f32
     RANS_PAIRS = 6  # bits 2..4: two levels per rANS symbol, pair model derived from the sent table
+    LOWRANK = 7  # LOWRANK: rows, rank, then each factor's levels in a level code of their own
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -53,7 +53,14 @@ from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArra
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord, slice_record
+from tail_ray.compression.records import (
+    LayerRecord,
+    LowRankRecord,
+    QuantRecord,
+    RawRecord,
+    SparseRecord,
+    slice_record,
+)
 from tail_ray.compression.stats import LayerStats
 from tail_ray.compression.wire import EncodedLayer, decode_payload, encode_payload
 from tail_ray.errors import ConfigError
@@ -119,6 +126,10 @@ def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int
             bits, density = (16 if rec.fp16 else 32), 1.0
         case SparseRecord():
             bits, density = 32, cost.nnz / rec.numel if rec.numel else 0.0
+        case LowRankRecord():
+            # bits of the factors; density: their non-zero levels per element of the layer
+            bits, density = rec.bits, cost.nnz / rec.numel if rec.numel else 0.0
+    code = f"lowrank-r{rec.rank}" if isinstance(rec, LowRankRecord) else cost.code
     return LayerStats(
         layer=rec.name,
         numel=rec.numel,
@@ -127,7 +138,7 @@ def layer_stats(rec: LayerRecord, cost: EncodedLayer, rel_error: float, nnz: int
         raw_bytes=4 * rec.numel,
         encoded_bytes=cost.encoded_bytes,
         rel_error=float(rel_error),
-        code=cost.code,
+        code=code,
     )
 
 

@@ -8,8 +8,9 @@ import numpy as np
 import torch
 from numba import njit
 
+from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
-from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord, SparseRecord
 
 
 def as_flat_f32(t: torch.Tensor) -> np.ndarray:
@@ -35,6 +36,8 @@ def record_to_flat(rec: LayerRecord) -> torch.Tensor:
             dense = np.zeros(rec.numel, dtype=np.float32)
             dense[rec.indices] = rec.values
             return torch.from_numpy(dense)
+        case LowRankRecord():
+            return torch.from_numpy(reconstruct(rec))
 
 
 def records_to_flat(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:

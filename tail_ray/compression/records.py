@@ -5,6 +5,8 @@ A compressor builds records, the wire encodes them (wire.py) and decodes them ba
     QuantRecord    integer levels in [-L, L] at ``bits`` and one float32 scale per bucket
     RawRecord      the values themselves, float32 (or float16 on the wire: ``fp16``)
     SparseRecord   sorted unique positions in [0, numel) and their float32 values (top-k)
+    LowRankRecord  a (rows x cols) layer as two quantized factors P (rows x rank) and
+                   Q (cols x rank); the layer is P Q^T (lowrank.py reconstructs it)
 
 Each class carries exactly the arrays its kind needs, so code that holds one never checks
 for a missing array: ``match`` on the class (or ``isinstance``) and read the fields. ``kind``
@@ -27,6 +29,7 @@ class Kind(IntEnum):
     RAW_F16 = 1  # values: float16[numel] (decoded to float32)
     QUANT = 2  # levels: int8[numel] in [-L, L], scales: float32[ceil(numel / bucket_size)]
     SPARSE_F32 = 3  # indices: int64[nnz] strictly increasing, values: float32[nnz]
+    LOWRANK = 4  # two quantized factors P, Q: the layer is P Q^T (rows x cols, row-major)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -76,7 +79,32 @@ class SparseRecord:
     values: np.ndarray
 
 
-LayerRecord = QuantRecord | RawRecord | SparseRecord
+@dataclass(frozen=True, slots=True, eq=False)
+class LowRankRecord:
+    """A matrix-shaped layer (``rows`` x ``cols``, flattened row-major: conv weights as
+    (out, in * kh * kw)) sent as P Q^T: P is ``rows`` x ``rank``, Q is ``cols`` x ``rank``.
+    Both factors are quantized on Tail's grid at ``bits`` with one scale per ``bucket_size``
+    levels; each is stored factor-column by factor-column (``p_levels[c * rows + i]`` is
+    P[i, c]), so a column of P or Q is contiguous."""
+
+    kind: ClassVar[Kind] = Kind.LOWRANK
+    name: str
+    rows: int
+    cols: int
+    rank: int
+    bits: int
+    bucket_size: int
+    p_scales: np.ndarray
+    p_levels: np.ndarray
+    q_scales: np.ndarray
+    q_levels: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+LayerRecord = QuantRecord | RawRecord | SparseRecord | LowRankRecord
 
 
 def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
@@ -101,6 +129,9 @@ def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
             )
         case RawRecord():
             return replace(rec, values=rec.values.reshape(-1)[start:stop])
+        case LowRankRecord():
+            # A product of factors has no element slices; the sharded exchanges never send one.
+            raise ValueError(f"layer {rec.name!r} is low-rank: it cannot be sent in slices")
         case SparseRecord():
             lo, hi = np.searchsorted(rec.indices, [start, stop])
             return replace(

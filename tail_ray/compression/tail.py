@@ -25,14 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from tail_ray.bitwidth.lowrank_choice import LOWRANK_MODES, LOWRANK_TARGETS, LowRankChooser, LowRankSettings
 from tail_ray.bitwidth.plan import ALLOCATIONS, BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.quantize import layer_seed
+from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
+from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
-from tail_ray.compression.records import LayerRecord
+from tail_ray.compression.records import LayerRecord, LowRankRecord
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,13 @@ class TailConfig:
         fewest bytes; see bitwidth/allocate.py).
     layer_cap: with allocation "model", no layer's nu may exceed layer_cap x its own tau.
     error_feedback: keep per-layer residuals (off only for ablations).
+    lowrank: "off" (every large layer quantized) or "auto": matrix-shaped layers may be sent
+        as low-rank factors P Q^T instead, chosen per layer by measured residual and bytes
+        (bitwidth/lowrank_choice.py; all-gather only: the sharded exchanges quantize).
+    lowrank_ranks / lowrank_bits: the ranks a layer may take, and the factors' bits.
+    lowrank_target: what low-rank's measured residual is held to: "bits" (the residual the
+        quantizer leaves at the bits the budget picked: the same error, fewer bytes) or
+        "budget" (the residual the budget tau itself allows, a looser bound).
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -97,6 +106,10 @@ class TailConfig:
     allocation: str = "layer"
     layer_cap: float = 2.0
     error_feedback: bool = True
+    lowrank: str = "off"
+    lowrank_ranks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    lowrank_bits: int = 8
+    lowrank_target: str = "bits"
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -140,6 +153,27 @@ class TailConfig:
             raise ConfigError(f"layer_cap must be a finite number >= 1, got {self.layer_cap!r}")
         if self.warmup_steps < 0 or self.critical_steps < 0:
             raise ConfigError("warmup_steps and critical_steps must be >= 0")
+        if self.lowrank not in LOWRANK_MODES:
+            raise ConfigError(f"lowrank must be one of {list(LOWRANK_MODES)}, got {self.lowrank!r}")
+        if self.lowrank_target not in LOWRANK_TARGETS:
+            raise ConfigError(
+                f"lowrank_target must be one of {list(LOWRANK_TARGETS)}, got {self.lowrank_target!r}"
+            )
+        if self.lowrank != "off" and not self.error_feedback:
+            raise ConfigError("lowrank needs error_feedback: a low-rank step leaves most of a gradient to it")
+        factor_bits = self.lowrank_bits
+        if not (isinstance(factor_bits, int | float) and float(factor_bits).is_integer()):
+            raise ConfigError(f"lowrank_bits must be an integer in 2..8, got {factor_bits!r}")
+        object.__setattr__(self, "lowrank_bits", int(factor_bits))  # YAML / --set may give 8.0
+        object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
+
+    def lowrank_settings(self) -> LowRankSettings:
+        return LowRankSettings(
+            ranks=tuple(self.lowrank_ranks),
+            bits=self.lowrank_bits,
+            trial_every_steps=self.redecide_every_steps,
+            start_step=self.warmup_steps,
+        )
 
     def budget_settings(self) -> BudgetSettings:
         return BudgetSettings(
@@ -188,6 +222,14 @@ class TailCompressor(RecordCompressor):
         # What observe_peers measured since the last compress (spread, compression, grad_sq,
         # numel per layer): reported to the ranks that did not see those payloads.
         self._measured: dict[str, tuple[float, float, float, float]] = {}
+        # Low-rank as a second way to send a matrix layer (None: off). Off for the sharded
+        # exchanges (a product of factors has no element slices) and second stages.
+        self.lowrank: LowRankChooser | None = None
+        if self.config.lowrank == "auto":
+            self.lowrank = LowRankChooser(
+                self.config.lowrank_settings(), bucket_size=self.config.bucket_size, seed=self._seed
+            )
+        self._shapes: dict[str, tuple[int, ...]] = {}
 
     @property
     def step(self) -> int:
@@ -204,6 +246,65 @@ class TailCompressor(RecordCompressor):
         self._measured.clear()  # a new step of these layers: measurements start afresh
         for name in grads:  # every layer counts, raw ones too
             self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
+        if self.lowrank is not None:
+            for name, t in grads.items():
+                self._shapes[name] = tuple(t.shape)
+
+    def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
+        payload = super().compress(grads)
+        if self.lowrank is not None:
+            for st in self._last_stats:  # the wire's bytes per layer: what low-rank must beat
+                if st.code != "raw":
+                    self.lowrank.observe_bytes(st.layer, st.encoded_bytes, st.code.startswith("lowrank"))
+        return payload
+
+    def compress_shards(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        shards: Sequence[Mapping[str, slice]],
+        *,
+        own_shard: int | None = None,
+    ) -> list[bytes]:
+        self.lowrank = None  # slices of a layer are quantized (see records.slice_record)
+        return super().compress_shards(grads, shards, own_shard=own_shard)
+
+    def _lowrank_layer(
+        self, name: str, g: LayerArray, sum_sq: float, nu_quant: float, step: int
+    ) -> CompressedLayer | None:
+        """The layer as low-rank factors when the chooser says so (None: quantize it)."""
+        chooser, feedback = self.lowrank, self.feedback
+        if chooser is None or feedback is None or not isinstance(g, np.ndarray):
+            return None
+        shape = matrix_shape(self._shapes.get(name, ()))
+        if shape is None or shape[0] * shape[1] != g.size or max_rank(*shape) < chooser.settings.ranks[0]:
+            return None
+        spent = chooser.decision_s
+        compensated = feedback.compensate(name, g) if chooser.needs_trial(name, step) else None
+        rank = chooser.choose(name, shape, compensated, nu_quant, step)
+        self.controller.decision_s += chooser.decision_s - spent
+        if rank == 0:
+            return None
+        if compensated is None:
+            compensated = feedback.compensate(name, g)
+        q_warm = chooser.warm_start(name)
+        rec, q_next, recon = compress_lowrank(
+            name,
+            compensated,
+            shape[0],
+            shape[1],
+            q_warm,
+            bits=chooser.settings.bits,
+            bucket_size=self.config.bucket_size,
+            seed=layer_seed(self._seed, step, name),
+        )
+        # Exact error feedback: the residual is M minus what every receiver reconstructs.
+        feedback.update(name, compensated, recon)
+        e_sq = feedback.norm_sq(name)
+        m_sq = float(sum_squares(compensated))
+        spent = chooser.decision_s
+        chooser.observe_lowrank(name, q_next, e_sq=e_sq, g_sq=sum_sq, m_sq=m_sq, nu_quant=nu_quant, step=step)
+        self.controller.decision_s += chooser.decision_s - spent
+        return CompressedLayer(rec, e_sq / m_sq if m_sq > 0 else 0.0)
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         cfg = self.config
@@ -220,6 +321,11 @@ class TailCompressor(RecordCompressor):
         if e_sq > _RESIDUAL_LIMIT * max(sum_sq, typical * typical):
             self.controller.invalidate(name)
         plan = self.controller.plan(name, g, residual, step, math.sqrt(sum_sq))
+        if self.lowrank is not None:
+            nu_allowed = plan.rel_error if cfg.lowrank_target == "bits" else plan.tau
+            lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
+            if lowrank is not None:
+                return lowrank
         # Compression's part of this worker's decoded gradient: the residual carried in plus
         # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
@@ -234,6 +340,7 @@ class TailCompressor(RecordCompressor):
         (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
         stage = self.spawn()
         assert isinstance(stage, TailCompressor)
+        stage.lowrank = None  # it re-compresses slices (see compress_shards)
         self._mean_budgets.append(stage.controller.policy)
         return stage
 
@@ -256,6 +363,10 @@ class TailCompressor(RecordCompressor):
             return
         for name, first in records_by_rank[0].items():
             if first.numel < max(self.config.raw_below_numel, 1):
+                continue
+            if any(isinstance(d.get(name), LowRankRecord) for d in records_by_rank):
+                # A low-rank layer's workers differ by their subspaces as much as by their
+                # batches: no SGD-noise reading; its budget keeps the last one measured.
                 continue
             stride = max(1, first.numel // _SPREAD_SAMPLE_NUMEL)
             try:

@@ -33,7 +33,7 @@ import numpy as np
 
 from tail_ray.compression.code_table import DEFAULT_CODES, CodeTable
 from tail_ray.compression.codes import LayerHeader
-from tail_ray.compression.records import Kind, LayerRecord, QuantRecord
+from tail_ray.compression.records import Kind, LayerRecord, LowRankRecord, QuantRecord
 from tail_ray.compression.varint import read_varint, varint
 from tail_ray.errors import CodecError
 
@@ -79,7 +79,19 @@ class EncodedLayer:
 
 
 def _scales_of(rec: LayerRecord) -> np.ndarray:
-    """The float32 scales a record sends (QUANT only), checked against its buckets."""
+    """The float32 scales a record sends (QUANT; LOWRANK: P's then Q's), checked against its
+    buckets."""
+    if isinstance(rec, LowRankRecord):
+        if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:
+            raise CodecError(
+                f"bucket_size {rec.bucket_size} out of range", layer=rec.name, field="bucket_size"
+            )
+        return np.concatenate(
+            (
+                np.asarray(rec.p_scales, dtype="<f4").reshape(-1),
+                np.asarray(rec.q_scales, dtype="<f4").reshape(-1),
+            )
+        )
     if not isinstance(rec, QuantRecord):
         return np.zeros(0, dtype="<f4")
     if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:
@@ -108,7 +120,7 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
         if exc.layer is not None:
             raise
         raise CodecError(exc.message, layer=rec.name, field=exc.field) from None
-    bits, bucket = (rec.bits, rec.bucket_size) if isinstance(rec, QuantRecord) else (0, 0)
+    bits, bucket = (rec.bits, rec.bucket_size) if isinstance(rec, QuantRecord | LowRankRecord) else (0, 0)
     head = b"".join(
         (
             _NAME_LEN.pack(len(name)),
@@ -197,7 +209,14 @@ def _read_name(buf: np.ndarray, pos: int, where: str) -> tuple[str, int]:
 
 
 def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales: int, *, name: str) -> None:
-    """What the container itself knows about a kind: only QUANT has bits, buckets and scales."""
+    """What the container itself knows about a kind: only QUANT and LOWRANK have bits, buckets
+    and scales (LOWRANK's scale count depends on its rank, in the body: its code checks it)."""
+    if kind == Kind.LOWRANK:
+        if not 2 <= bits <= 8:
+            raise CodecError(f"bits {bits} not in 2..8", layer=name, field="bits")
+        if not 1 <= bucket <= MAX_BUCKET_SIZE:
+            raise CodecError(f"bucket_size {bucket} out of range", layer=name, field="bucket_size")
+        return
     if kind != Kind.QUANT:
         if n_scales:
             raise CodecError(f"{kind.name} layer carries {n_scales} scales", layer=name, field="n_scales")

@@ -19,6 +19,7 @@ import torch
 
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.fixedsum import sum_squares
+from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.quantize import (
     dequantize,
     mean_dequantized_into,
@@ -28,7 +29,7 @@ from tail_ray.compression.quantize import (
     quantize_finite,
 )
 from tail_ray.compression.record_tensors import sample_stack
-from tail_ray.compression.records import QuantRecord
+from tail_ray.compression.records import LowRankRecord, QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -88,6 +89,28 @@ def digests() -> dict[str, str]:
         sc = rng.random(n_buckets(n, bucket)).astype(np.float32)
         sc[:3] = (F32_MAX, 1e-40, 3e38)
         out[f"dequantize_{bits}b_{bucket}"] = _digest([dequantize(lv, sc, bits, bucket)])
+
+    # The low-rank product every receiver (and the sender's residual) computes: decoded
+    # factors, huge and subnormal scales, a column count that leaves scalar tails.
+    rng = np.random.default_rng(7)
+    rows, cols, rank = 67, 131, 5
+    scales_p = rng.random(n_buckets(rank * rows, 64)).astype(np.float32)
+    scales_q = rng.random(n_buckets(rank * cols, 64)).astype(np.float32)
+    scales_p[:2] = (3e38, 1e-40)
+    scales_q[:2] = (1e-20, 3e30)
+    low = LowRankRecord(
+        "w",
+        rows,
+        cols,
+        rank,
+        8,
+        64,
+        scales_p,
+        rng.integers(-127, 128, rank * rows).astype(np.int8),
+        scales_q,
+        rng.integers(-127, 128, rank * cols).astype(np.int8),
+    )
+    out["lowrank_reconstruct"] = _digest([reconstruct(low)])
 
     ranks = [quantized[b] for b in (2, 3, 4, 8)]
     for world in (2, 3, 4):

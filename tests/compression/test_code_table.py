@@ -25,7 +25,7 @@ def _peaked(n: int, half: int) -> np.ndarray:
 
 
 def test_every_kind_has_codes_and_every_code_one_wire_id() -> None:
-    assert sorted(DEFAULT_CODES) == [0, 2, 3, 4, 5, 6]  # 1 (int8) is reserved, never produced
+    assert sorted(DEFAULT_CODES) == [0, 2, 3, 4, 5, 6, 7]  # 1 (int8) is reserved, never produced
     for kind in Kind:
         assert DEFAULT_CODES.for_kind(kind), kind
     assert {CODE_NAMES[Code(c)] for c in DEFAULT_CODES} == {
@@ -35,6 +35,7 @@ def test_every_kind_has_codes_and_every_code_one_wire_id() -> None:
         "rans-pairs",
         "sparse-rans",
         "sparse-pos",
+        "lowrank",
     }
     with pytest.raises(ValueError, match="two codes for wire id 6"):
         CodeTable([RansPairsCode(), RansPairsCode()])

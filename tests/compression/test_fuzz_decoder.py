@@ -11,11 +11,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tail_ray.compression.code_table import candidate_codes, decode_levels, encode_levels
-from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.lowrank import compress_lowrank, max_rank, reconstruct
+from tail_ray.compression.records import LowRankRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.varint import varint
 from tail_ray.compression.wire import (
     MAGIC,
@@ -48,6 +50,20 @@ def _valid_payloads() -> list[bytes]:
             QuantRecord("w", bits, 256, scales, levels),
             RawRecord("b", np.array([1.0, np.nan, np.inf], np.float32)),
             SparseRecord("t", 1000, np.arange(3, 1000, 97), np.ones(11, np.float32)),
+        ]
+        out.append(encode_payload(records)[0])
+    # A low-rank layer first (so the length-field edits below hit its header), factors at 4
+    # and 8 bits: their bodies nest a level code each.
+    for bits in (4, 8):
+        m = rng.standard_normal(24 * 40).astype(np.float32)
+        q = torch.from_numpy(rng.standard_normal((40, 3)).astype(np.float32))
+        low, _q, _recon = compress_lowrank("lr", m, 24, 40, q, bits=bits, bucket_size=32, seed=bits)
+        records = [
+            low,
+            RawRecord("b", np.array([1.0, np.nan, np.inf], np.float32)),
+            QuantRecord(
+                "w", 3, 256, rng.random(2).astype(np.float32), rng.integers(-3, 4, 300).astype(np.int8)
+            ),
         ]
         out.append(encode_payload(records)[0])
     return out
@@ -92,6 +108,10 @@ def _check(payload: bytes) -> None:
                 assert (
                     np.all(np.diff(rec.indices) > 0) and rec.indices[0] >= 0 and rec.indices[-1] < rec.numel
                 )
+        elif isinstance(rec, LowRankRecord):
+            assert 1 <= rec.rank <= max_rank(rec.rows, rec.cols) and rec.rows * rec.cols == rec.numel
+            assert rec.p_levels.size == rec.rank * rec.rows and rec.q_levels.size == rec.rank * rec.cols
+            assert reconstruct(rec).size == rec.numel
         else:
             assert isinstance(rec, RawRecord) and rec.values.dtype == np.float32
 

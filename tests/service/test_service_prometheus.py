@@ -51,10 +51,13 @@ def scraped(storage_url: str) -> Iterator[tuple[Storage, dict[str, tuple[str, st
         text = client.get("/metrics", headers=AUTH)
         om = client.get("/metrics", headers={**AUTH, "Accept": "application/openmetrics-text"})
     assert text.status_code == om.status_code == 200
-    yield store, {
-        "text": (text.headers["content-type"], text.text),
-        "openmetrics": (om.headers["content-type"], om.text),
-    }
+    yield (
+        store,
+        {
+            "text": (text.headers["content-type"], text.text),
+            "openmetrics": (om.headers["content-type"], om.text),
+        },
+    )
     store.close()
 
 

@@ -1,0 +1,317 @@
+"""Per layer: quantize, or send low-rank factors? Chosen by measured error and bytes.
+
+The error both are held to is what error feedback leaves unsent, relative to the gradient:
+the residual ratio rho = ||e||^2 / ||g||^2 in steady state. For the quantizer at relative
+error nu_b (the bits the budget picked), e' = (g + e) - Q(g + e) settles at
+rho_q = nu_b / (1 - nu_b). A per-step error is the wrong yardstick for low-rank: a rank-r
+approximation leaves most of one step's gradient (nu 0.5-0.9 on these models' layers), yet
+with error feedback the persistent directions pile up in e until they are sent, and the
+residual ratio can sit well below the quantizer's (digits' fc1 at rank 8: rho 0.03 against
+0.08 at 4 bits; measured offline on captured gradients, docs/engine.md). So:
+
+- enter: every ``trial_every_steps`` a quantized layer runs a trial, one power iteration of
+  M = g + e at the largest rank R whose factors would save ``min_gain`` of the layer's
+  measured quantized bytes; the singular values of P^T M give the captured energy of every
+  rank <= R in that subspace, hence nu_r, and rho_r = nu_r / (1 - nu_r) (conservative: in
+  steady state error feedback makes M more low-rank than a fresh gradient). The smallest
+  candidate rank with rho_r <= rho_q and the byte saving wins; none: stay quantized.
+- stay: while low-rank, the residual's ratio is MEASURED every step (an EMA, the kernel's own
+  ||e||^2); past ``exit_slack`` x rho_q (the budget's current bits: a critical phase that
+  tightens tau tightens this too) after ``dwell_steps``, the next candidate rank that still
+  saves bytes is tried (and the layer never goes below it again while low-rank), else the
+  layer goes back to the quantizer (its residual carries over: nothing is lost), and waits
+  twice as long before its next trial. Every ``trial_every_steps`` the current factors'
+  singular values say whether a lower rank would keep the residual under half the target.
+- bytes: the quantized bytes are the layer's own last payload; low-rank bytes are bounded by
+  bit-packed factors (``lowrank.factor_bytes``), then measured. A low-rank layer whose
+  measured bytes stop saving ``min_gain / 2`` goes back.
+
+Costs: a trial is ~4 small products (R x (rows + cols) x ...) every 20 steps per matrix
+layer, counted in the controller's ``decision_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
+from tail_ray.errors import ConfigError
+
+LOWRANK_MODES = ("off", "auto")
+LOWRANK_TARGETS = ("bits", "budget")
+_MAX_BACKOFF = 16
+
+
+@dataclass(frozen=True)
+class LowRankSettings:
+    """ranks: the ranks a layer may take (ascending). bits: the factors' quantization.
+    trial_every_steps / start_step: when quantized layers try low-rank. min_gain: the share
+    of the quantized bytes low-rank must save. exit_slack / dwell_steps / ema: how far and
+    how long the measured residual ratio may exceed the quantizer's before the layer moves."""
+
+    ranks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    bits: int = 8
+    trial_every_steps: int = 20
+    start_step: int = 20
+    min_gain: float = 0.2
+    exit_slack: float = 1.5
+    dwell_steps: int = 5
+    ema: float = 0.2
+
+    def __post_init__(self) -> None:
+        ranks = tuple(sorted(int(r) for r in self.ranks))
+        if not ranks or ranks[0] < 1 or len(set(ranks)) != len(ranks) or ranks[-1] > 256:
+            raise ConfigError(f"lowrank_ranks must be distinct integers in 1..256, got {self.ranks!r}")
+        object.__setattr__(self, "ranks", ranks)
+        if not 2 <= self.bits <= 8:
+            raise ConfigError(f"lowrank_bits must be in 2..8, got {self.bits}")
+        if not 0 <= self.min_gain < 1:
+            raise ConfigError(f"min_gain must be in [0, 1), got {self.min_gain}")
+
+
+@dataclass
+class _Layer:
+    rows: int
+    cols: int
+    rank: int = 0  # 0: quantized
+    q_warm: torch.Tensor | None = None
+    trial_q: torch.Tensor | None = None
+    quant_bytes: float | None = None  # the layer's latest quantized payload bytes
+    lowrank_bytes: float | None = None  # ... and low-rank, at ``rank``
+    ratio_ema: float | None = None
+    steps_in_mode: int = 0
+    floor: int = 0  # a rank the measured residual outgrew: never lowered below again while low-rank
+    next_trial: int = 0
+    backoff: int = 1
+    history: list[int] = field(default_factory=list)
+
+
+def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """For Q = M^T P with P orthonormal (cols x R): the energy of M that the best rank-r
+    approximation inside span(P) keeps, for r = 1..R (cumulative, descending), and the
+    directions that keep it (cols x R, best first: next step's warm start).
+
+    That energy is the top r eigenvalues of the R x R Gram matrix Q^T Q (= the squared
+    singular values of Q); an eigendecomposition of it costs a few microseconds where an SVD
+    of Q cost ~150 us."""
+    gram = (q.T.double() @ q.double()).numpy()
+    values, vectors = np.linalg.eigh(gram)  # ascending
+    order = values.argsort()[::-1]
+    captured = np.cumsum(np.clip(values[order], 0.0, None))
+    basis = q @ torch.from_numpy(vectors[:, order].astype(np.float32))
+    return captured, basis
+
+
+class LowRankChooser:
+    """See the module docstring. One per compressor; state per layer name."""
+
+    def __init__(self, settings: LowRankSettings, *, bucket_size: int, seed: int) -> None:
+        self.settings = settings
+        self.bucket_size = bucket_size
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._layers: dict[str, _Layer] = {}
+        self.decision_s = 0.0
+
+    # --- queries ---------------------------------------------------------------------------
+    def rank_of(self, name: str) -> int:
+        """The layer's current rank (0: quantized)."""
+        layer = self._layers.get(name)
+        return layer.rank if layer is not None else 0
+
+    def warm_start(self, name: str) -> torch.Tensor:
+        """The layer's Q to start this step's power iteration from (cols x rank)."""
+        q = self._layers[name].q_warm
+        assert q is not None, f"layer {name!r} is not low-rank"
+        return q
+
+    def ranks(self) -> dict[str, int]:
+        return {name: layer.rank for name, layer in self._layers.items()}
+
+    def _lowrank_bytes(self, layer: _Layer, rank: int) -> float:
+        return float(factor_bytes(layer.rows, layer.cols, rank, self.settings.bits, self.bucket_size))
+
+    def _affordable(self, layer: _Layer, above: int = 0) -> list[int]:
+        """Candidate ranks above ``above`` whose factors save ``min_gain`` of the quantized bytes."""
+        if layer.quant_bytes is None:
+            return []
+        limit = (1 - self.settings.min_gain) * layer.quant_bytes
+        top = max_rank(layer.rows, layer.cols)
+        return [r for r in self.settings.ranks if above < r <= top and self._lowrank_bytes(layer, r) <= limit]
+
+    # --- the decision, per layer and step ---------------------------------------------------
+    def choose(
+        self,
+        name: str,
+        shape: tuple[int, int],
+        compensated: np.ndarray | None,
+        nu_quant: float,
+        step: int,
+    ) -> int:
+        """This step's rank for the layer (0: quantize). ``compensated`` is g + e (flat
+        float32), needed only on a trial step (None: no trial possible now); ``nu_quant`` the
+        quantizer's relative error at the bits the budget picked."""
+        t0 = time.perf_counter()
+        layer = self._layers.get(name)
+        if layer is None or (layer.rows, layer.cols) != shape:
+            layer = self._layers[name] = _Layer(*shape, next_trial=self.settings.start_step)
+        if layer.rank == 0 and step >= layer.next_trial and compensated is not None:
+            miss = self._trial(layer, compensated, self._target(nu_quant))
+            if miss <= 1:
+                layer.backoff = 1
+            elif self._affordable(layer):
+                # No rank met the target. A trial costs ~0.3-0.5 ms of CPU (384 x 128 at rank
+                # 16), more when preempted on a loaded host: a layer that keeps failing is
+                # tried less often, 2x later after a near miss, 4x after a clear one (the best
+                # rank's estimate over 2x the target), up to 16x the interval.
+                layer.backoff = min(layer.backoff * (2 if miss <= 2 else 4), _MAX_BACKOFF)
+            layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
+        self.decision_s += time.perf_counter() - t0
+        return layer.rank
+
+    def needs_trial(self, name: str, step: int) -> bool:
+        """Whether ``choose`` would run a trial this step (the caller then builds g + e)."""
+        layer = self._layers.get(name)
+        if layer is None:
+            return step >= self.settings.start_step
+        return layer.rank == 0 and step >= layer.next_trial and bool(self._affordable(layer))
+
+    @staticmethod
+    def _target(nu_quant: float) -> float:
+        nu = min(max(float(nu_quant), 0.0), 0.99)
+        return nu / (1 - nu)
+
+    def _trial(self, layer: _Layer, compensated: np.ndarray, target: float) -> float:
+        """How far the best affordable rank's estimate is from the target (<= 1: it met it, and
+        the layer is low-rank from now; inf: nothing to try)."""
+        ranks = self._affordable(layer)
+        if not ranks:
+            return math.inf
+        top = ranks[-1]
+        m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
+        m_sq = float(np.dot(compensated.astype(np.float64), compensated.astype(np.float64)))
+        if not (m_sq > 0 and math.isfinite(m_sq)):
+            return math.inf
+        q = layer.trial_q
+        iterations = 1
+        if q is None or q.shape[1] != top:
+            # A cold start: from random directions one iteration underestimates what rank r
+            # keeps (measured on digits: fc1 then entered 80-280 steps later or not at
+            # all, 11.4x instead of 16.8x over 5 seeds); later trials start from the last Q.
+            q = torch.randn(layer.cols, top, generator=self._gen)
+            iterations = 2
+        for _ in range(iterations):
+            _p, q = power_step(m, q)
+        layer.trial_q = q
+        captured, basis = _captured_energy(q)
+        best = math.inf
+        for r in ranks:
+            nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
+            ratio = nu / (1 - nu) if nu < 1 else math.inf
+            if ratio <= target:
+                layer.rank = r
+                layer.q_warm = basis[:, :r].contiguous()
+                layer.ratio_ema = None
+                layer.steps_in_mode = 0
+                layer.lowrank_bytes = None
+                return 0.0
+            best = min(best, ratio)
+        return best / target if target > 0 else math.inf
+
+    # --- what the step measured -------------------------------------------------------------
+    def observe_lowrank(
+        self,
+        name: str,
+        q_next: torch.Tensor,
+        *,
+        e_sq: float,
+        g_sq: float,
+        m_sq: float,
+        nu_quant: float,
+        step: int,
+    ) -> None:
+        """After a low-rank step: the next warm start, the residual ratio it left (``e_sq`` over
+        ``g_sq``), and ||g + e||^2 of the step (``m_sq``: a lower rank's estimate)."""
+        t0 = time.perf_counter()
+        layer = self._layers[name]
+        layer.q_warm = q_next
+        layer.steps_in_mode += 1
+        if g_sq > 0 and math.isfinite(e_sq):
+            ratio = e_sq / g_sq
+            a = self.settings.ema
+            layer.ratio_ema = ratio if layer.ratio_ema is None else (1 - a) * layer.ratio_ema + a * ratio
+        target = self._target(nu_quant)
+        too_big = (
+            layer.lowrank_bytes is not None
+            and layer.quant_bytes is not None
+            and (layer.lowrank_bytes > (1 - self.settings.min_gain / 2) * layer.quant_bytes)
+        )
+        if too_big:
+            self._leave(layer, step)
+        elif (
+            layer.steps_in_mode >= self.settings.dwell_steps
+            and layer.ratio_ema is not None
+            and layer.ratio_ema > self.settings.exit_slack * target
+        ):
+            higher = self._affordable(layer, above=layer.rank)
+            if higher:
+                r = higher[0]
+                extra = torch.randn(layer.cols, r - layer.rank, generator=self._gen)
+                layer.q_warm = torch.cat((q_next, extra), dim=1).contiguous()
+                layer.floor = r
+                layer.rank = r
+                layer.steps_in_mode = 0
+                layer.ratio_ema = None
+                layer.lowrank_bytes = None
+            else:
+                self._leave(layer, step)
+        elif layer.steps_in_mode % self.settings.trial_every_steps == 0:
+            self._try_lower(layer, q_next, m_sq, target)
+        self.decision_s += time.perf_counter() - t0
+
+    def _try_lower(self, layer: _Layer, q: torch.Tensor, m_sq: float, target: float) -> None:
+        """A lower rank, where the current factors say it would meet the target too: Q = M^T P
+        with P orthonormal, so the singular values of Q give the energy every lower rank keeps
+        of this step's M (an entry trial's estimate, on the steady-state M)."""
+        lower = [r for r in self.settings.ranks if layer.floor <= r < layer.rank]
+        if not lower or not (m_sq > 0 and math.isfinite(m_sq)):
+            return
+        captured, basis = _captured_energy(q)
+        for r in lower:
+            nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
+            # Half the target: a rank that only just fits this step's M outgrows it once the
+            # directions it drops pile up in the residual (measured: rank 4 -> 1 -> 2 -> 4).
+            if nu < 1 and nu / (1 - nu) <= target / 2:
+                layer.rank = r
+                layer.q_warm = basis[:, :r].contiguous()
+                layer.ratio_ema = None
+                layer.steps_in_mode = 0
+                layer.lowrank_bytes = None
+                return
+
+    def _leave(self, layer: _Layer, step: int) -> None:
+        layer.rank = 0
+        layer.floor = 0
+        layer.q_warm = None
+        layer.ratio_ema = None
+        layer.steps_in_mode = 0
+        layer.backoff = min(layer.backoff * 2, _MAX_BACKOFF)
+        layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
+
+    def observe_bytes(self, name: str, encoded_bytes: int, lowrank: bool) -> None:
+        """A layer's payload bytes of this step (the wire's own count)."""
+        layer = self._layers.get(name)
+        if layer is None:
+            return
+        if lowrank:
+            layer.lowrank_bytes = float(encoded_bytes)
+        else:
+            layer.quant_bytes = float(encoded_bytes)
+
+    def reset(self) -> None:
+        """Forget every layer's mode (a restored or resized job restarts quantized)."""
+        self._layers.clear()
