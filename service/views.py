@@ -33,12 +33,19 @@ def _cached(
     build: Callable[[Hashable], T],
 ) -> T:
     if version is None:
-        hit = cache.recent(key, refresh=lambda: _current(storage, cache, key, build))
+        hit = _recent(storage, cache, key, build)
         if hit is not MISS:
             return hit  # type: ignore[return-value]
         return _current(storage, cache, key, build)
     exact = version
     return cache.get(key, exact, lambda: build(exact))
+
+
+def _recent(
+    storage: Storage, cache: ReadCache, key: tuple[Hashable, ...], build: Callable[[Hashable], T]
+) -> object:
+    """The cached result if young enough (else MISS), refreshed ahead of expiry (read_cache.py)."""
+    return cache.recent(key, refresh=lambda: _current(storage, cache, key, build))
 
 
 def _current(
@@ -76,7 +83,7 @@ def recent_json(storage: Storage, cache: ReadCache, body: Body) -> bytes | None:
     """The body if the cache holds one younger than its ``max_age_s``, else None: what the
     routes answer on the event loop, without the database. Like ``body_json`` it starts a
     refresh ahead of expiry."""
-    hit = cache.recent(body.key, refresh=lambda: _current(storage, cache, body.key, body.build))
+    hit = _recent(storage, cache, body.key, body.build)
     return None if hit is MISS else hit  # type: ignore[return-value]
 
 
