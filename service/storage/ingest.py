@@ -5,8 +5,9 @@ Crash safety: the records, the running totals and the cursor commit together, so
 the cursor never points past what was stored and the totals never count a record twice. The
 job's cursor row is locked for the transaction (``Tx.lock_job``), and every record at or below
 the cursor is dropped before any write (``records.batch_rows``): a replayed or overlapping page,
-or a second ingester racing the first, stores nothing twice. The (job_id, seq) primary key
-stays as the last guard.
+or a second ingester racing the first, stores nothing twice. The records' primary key
+stays as the last guard: (job_id, seq) on SQLite, (job_id, step, seq) on PostgreSQL (a replay
+repeats a record's step with its seq).
 """
 
 from __future__ import annotations

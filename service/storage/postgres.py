@@ -6,8 +6,9 @@ deployments that run more than one replica of the service or must survive losing
   READ, READ ONLY (one snapshot per read, never blocked by the writer: MVCC); writers READ
   COMMITTED with the job's cursor row locked ``FOR UPDATE`` for an ingest, so two writers of
   one job serialize and the second sees the first's cursor.
-- Bulk insert: ``COPY`` (several times executemany's rate). If COPY ever meets an existing
-  (job_id, seq), a savepoint rolls it back and the rows go in with ``ON CONFLICT DO NOTHING``.
+- Bulk insert: ``COPY`` (several times executemany's rate). If COPY ever meets a stored record
+  (its key: job_id, step, seq, which a replay repeats), a savepoint rolls it back and the rows
+  go in with ``ON CONFLICT DO NOTHING``.
 - Migrations: ``schema.POSTGRES_MIGRATIONS``, tracked in ``schema_migrations``, under a
   transaction-scoped advisory lock: replicas that start together migrate once.
 - Leader election: a session advisory lock held on a connection of its own; if the holder
