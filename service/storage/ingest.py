@@ -20,7 +20,7 @@ from service.storage.base import IngestBatch, JobRow
 from service.storage.columns import column_rows
 from service.storage.jobs import job_row
 from service.storage.records import LAYER_COLUMNS, STEP_COLUMNS, BatchRows, StepNewest, batch_rows
-from service.storage.sql import Row, SqlBase, Tx
+from service.storage.sql import Row, SqlBase, Tx, placeholders
 
 _EMPTY_STATE = {
     "cursor_seq": 0,
@@ -58,7 +58,8 @@ class IngestSql(SqlBase):
         fsync, for a whole ingest round instead of one per page); records stored per batch."""
         # Convert outside the write transaction (the Python cost per record must not hold the
         # database's write lock); redo it only if another writer moved the cursor meanwhile.
-        prepared = [(job_id, batch, *self._convert(job_id, batch)) for job_id, batch in batches]
+        seen = self._cursors([job_id for job_id, _ in batches])
+        prepared = [(j, batch, seen[j], _batch_rows(j, batch, seen[j])) for j, batch in batches]
         stored: dict[int, int] = {}
         with self._write() as tx:
             # Jobs' cursor rows are locked in one order, so two ingesters (a lease handover)
@@ -67,9 +68,17 @@ class IngestSql(SqlBase):
                 stored[i] = _store_batch(tx, *prepared[i])
         return [stored[i] for i in range(len(prepared))]
 
-    def _convert(self, job_id: str, batch: IngestBatch) -> tuple[int, BatchRows]:
-        seen = self.cursor(job_id)
-        return seen, _batch_rows(job_id, batch, seen)
+    def _cursors(self, job_ids: list[str]) -> dict[str, int]:
+        """Every job's stored cursor (0 for a job never ingested) in one read: a round of 8 jobs
+        made 8 reads, 9% of the ingest process's samples on PostgreSQL."""
+        out = dict.fromkeys(job_ids, 0)
+        if job_ids:
+            sql = "SELECT job_id, after_seq FROM ingest_cursors WHERE job_id IN "
+            sql += f"({placeholders(len(job_ids))})"
+            with self._read() as tx:
+                rows = tx.all(sql, job_ids)
+            out.update((r["job_id"], int(r["after_seq"])) for r in rows)
+        return out
 
     def mark_drained(self, job_id: str) -> None:
         with self._write() as tx:
