@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,6 +68,7 @@ def digests() -> dict[str, str]:
         out[name] = _digest(fn())
 
     record("sum_squares", lambda: [sum_squares(g), sum_squares(g[:1001])])
+    record("controller decisions", _decisions)
 
     quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for bits in (2, 3, 4, 8):
@@ -207,6 +210,15 @@ def _sharded_steps() -> list[np.ndarray | bytes | float | int]:
         parts += [p for payloads in sliced for p in payloads]
         parts += [t.numpy() for t in mean.values()] + [summed] + [t.numpy() for t in into.values()]
     return parts
+
+
+def _decisions() -> list[np.ndarray | bytes | float | int]:
+    """The bit controller's decisions on the seeded gradients of the decision-digest test
+    (both allocations): whatever numpy, torch or numba code a decision goes through."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bitwidth"))
+    from test_decision_digest import _controller_trace
+
+    return list(_controller_trace("layer") + _controller_trace("model"))
 
 
 if __name__ == "__main__":

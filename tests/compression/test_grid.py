@@ -287,30 +287,46 @@ def test_sum_squares_has_one_fixed_order(n):
         assert sum_squares(x) == np.inf
 
 
-def _digests_under(cpu: str, cache_dir: Path) -> subprocess.Popen[str]:
-    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="")
-    env.setdefault("NUMBA_CACHE_DIR", str(cache_dir))  # numba keys its cache by CPU name
+def _digests_under(extra_env: dict[str, str], cache_dir: Path | None) -> subprocess.Popen[str]:
+    env = dict(os.environ, **extra_env)
+    if cache_dir is not None:
+        env.setdefault("NUMBA_CACHE_DIR", str(cache_dir))  # numba keys its cache by CPU name
     script = Path(__file__).with_name("isa_digest.py")
     return subprocess.Popen(
         [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
+# Each build another CPU could give: numba compiling for plain x86-64 (SSE2, no FMA) and for
+# Haswell (AVX2 + FMA), and numpy's OpenBLAS running its SSE-only kernels, whose dot products
+# round differently from the AVX2 / AVX-512 ones (a norm taken with np.linalg.norm once made the
+# decision digest differ between an Intel and an AMD CI machine).
+OTHER_BUILDS = {
+    "numba generic": ({"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""}, True),
+    "numba haswell": ({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}, True),
+    "OpenBLAS Nehalem": ({"OPENBLAS_CORETYPE": "Nehalem"}, False),
+}
+
+
 @pytest.mark.slow
 def test_kernels_give_the_same_bits_when_numba_compiles_for_other_cpus(tmp_path):
-    """numba compiling for plain x86-64 (SSE2, no FMA) and for Haswell (AVX2 + FMA) must give
-    the bits this host's build gives (AVX-512 on the development machine), kernel by kernel:
+    """numba compiling for plain x86-64 (SSE2, no FMA) and for Haswell (AVX2 + FMA), and
+    OpenBLAS on its SSE kernels, must give the bits this host's build gives, kernel by kernel:
     quantize, error feedback, dequantize, the means, the sampled view, the controller's
-    estimate, and whole Tail payloads and their decoding. Both compile cold when the cache is
-    empty (about a minute of CPU each on 2 cores), so they run side by side."""
+    estimate and decisions, and whole Tail payloads and their decoding. The numba builds
+    compile cold when the cache is empty (about a minute of CPU each on 2 cores), so they run
+    side by side."""
     from isa_digest import digests
 
-    procs = {cpu: _digests_under(cpu, tmp_path / "numba") for cpu in ("generic", "haswell")}
+    procs = {
+        build: _digests_under(env, tmp_path / "numba" if own_cache else None)
+        for build, (env, own_cache) in OTHER_BUILDS.items()
+    }
     native = digests()
-    for cpu, proc in procs.items():
+    for build, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=540)
         assert proc.returncode == 0, stderr[-3000:]
         other = json.loads(stdout)
         assert other.keys() == native.keys()
         differ = sorted(k for k in native if native[k] != other[k])
-        assert not differ, f"under NUMBA_CPU_NAME={cpu} these kernels give other bits: {differ}"
+        assert not differ, f"under {build} these kernels give other bits: {differ}"
