@@ -230,6 +230,14 @@ class _SinkOfAnOlderRelease:
         }  # fmt: skip
 
 
+def _is_dead(actor: ray.actor.ActorHandle) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
 def test_a_sink_of_an_older_release_is_read_as_records(head: LocalRayHead, tmp_path: Path) -> None:
     from service_support import make_settings
 
@@ -256,6 +264,9 @@ def test_a_sink_of_an_older_release_is_read_as_records(head: LocalRayHead, tmp_p
             assert store.summary(job_id)["steps"] == 30
             assert job_id in gateway._record_sinks
             ray.kill(old)  # the sink goes: the gateway keeps nothing of it (a month of jobs)
+            # ray.kill is asynchronous: a read sent at once can still be answered by the live
+            # actor (CI saw it), so wait until this driver's handle knows the actor is dead.
+            wait_for(lambda: _is_dead(old), 30, "the killed sink to be dead")
             ingester.drain()
             assert job_id not in gateway._sinks and job_id not in gateway._reads
             assert job_id not in gateway._record_sinks
