@@ -24,6 +24,10 @@ def test_load_test_runs_clean_and_reports_figures() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["errors"] == 0, out["first_errors"]
     assert out["client"] == "lean" and out["client_cpu_cores"] > 0
+    # The machine is at least as busy as the parts of it counted (the ingest process is the
+    # service's child: counted apart from it).
+    assert out["ingest_cpu_cores"] >= 0
+    assert out["machine_busy_cores"] >= out["service_cpu_cores"] + out["ingest_cpu_cores"] - 0.05
     assert set(out["routes"]) == {"layers", "steps", "summary"}
     for route in out["routes"].values():
         assert route["requests"] > 0 and route["p99_ms"] >= route["p50_ms"] > 0
