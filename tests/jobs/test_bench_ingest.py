@@ -1,0 +1,32 @@
+"""jobs.bench_ingest stores every page on both backends and reports its figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_ingest_stores_every_record_on_both_backends() -> None:
+    cmd = [sys.executable, "-m", "jobs.bench_ingest", "--jobs", "3", "--ranks", "4", "--layers", "10",
+           "--steps", "5", "--page-records", "37"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    per_job = 5 * 4 * (10 + 1)  # steps x ranks x (layers + the step record)
+    assert [r["backend"] for r in out["results"]] == ["sqlite", "postgresql"]
+    for r in out["results"]:
+        assert r["records"] == 3 * per_job
+        assert r["rounds"] == -(-per_job // 37)  # pages of 37 records, one per job per round
+        assert r["records_per_s"] > 0 and r["client_cpu_s"] > 0
+        assert r["latest_layers_ms"] > 0
+    assert out["results"][1]["server_cpu_s"] > 0  # the PostgreSQL server's own processes
+
+
+def test_bench_ingest_rejects_a_shape_with_nothing_in_it() -> None:
+    cmd = [sys.executable, "-m", "jobs.bench_ingest", "--layers", "0"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--layers must be >= 1, got 0" in proc.stderr
