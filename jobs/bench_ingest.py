@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from jobs.cpu_time import tree_cpu_seconds
 from jobs.load_clients import Shape, rank_templates, step_batch
 from service.storage import IngestBatch, Storage, open_storage
 from tail_ray.metrics.sink import columns_of
@@ -65,18 +66,7 @@ def _server_cpu_s(data_dir: Path | None) -> float:
     """CPU of a PostgreSQL server's processes (postmaster and backends), 0 for SQLite."""
     if data_dir is None:
         return 0.0
-    import psutil  # Ray's own dependency
-
-    pid = int((data_dir / "postmaster.pid").read_text().split()[0])
-    total = 0.0
-    main = psutil.Process(pid)
-    for proc in [main, *main.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
+    return tree_cpu_seconds(int((data_dir / "postmaster.pid").read_text().split()[0]))
 
 
 @contextmanager

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from jobs.cpu_time import cpu_seconds, machine_busy_seconds, tree_cpu_seconds
 from jobs.load_clients import (
     CursorReader,
     HttpxPolls,
@@ -140,36 +141,6 @@ def start_profiler(pid: int, out: Path, duration_s: float) -> subprocess.Popen[b
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_cpu_seconds(pid: int) -> float:
-    """CPU time of a process's live descendants (the service's ingest process): the parent's
-    own figure counts a child only once it has exited and been waited for."""
-    import psutil  # Ray's own dependency
-
-    total = 0.0
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores spent not idle (Linux /proc/stat): on a 2-core machine the load
-    generator (Ray, the sinks, the producer) and the database share the cores with the service,
-    and a figure limited by them shows up as a busy machine and an idle service."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 async def drive(
     args: argparse.Namespace, shape: Shape, url: str, base_url: str, producer: Producer, service_pid: int
 ) -> dict:
@@ -180,7 +151,7 @@ async def drive(
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30.0) as client:
         await asyncio.to_thread(insert_jobs, url, shape)  # the ingester finds them on its next pass
         t_go, wall_go, cpu_go = time.monotonic(), time.time(), cpu_seconds(service_pid)
-        client_cpu_go, ingest_cpu_go = time.process_time(), child_cpu_seconds(service_pid)
+        client_cpu_go, ingest_cpu_go = time.process_time(), tree_cpu_seconds(service_pid, include_root=False)
         busy_go = machine_busy_seconds()
         producer.go.set()
         watcher = asyncio.create_task(
@@ -208,7 +179,7 @@ async def drive(
         await asyncio.gather(*readers)
         wall_s = time.monotonic() - t_go
         service_cores = (cpu_seconds(service_pid) - cpu_go) / wall_s
-        ingest_cores = (child_cpu_seconds(service_pid) - ingest_cpu_go) / wall_s
+        ingest_cores = (tree_cpu_seconds(service_pid, include_root=False) - ingest_cpu_go) / wall_s
         client_cores = (time.process_time() - client_cpu_go) / wall_s
         busy_cores = (machine_busy_seconds() - busy_go) / wall_s
         producer.stop.set()
