@@ -17,6 +17,7 @@ import torch
 from tail_ray.compression.records import LowRankRecord, QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.wire import decode_payload
+from tail_ray.errors import ConfigError
 
 _CONFIG: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7}
 _BASIS = torch.Generator().manual_seed(1234)
@@ -169,3 +170,14 @@ def test_lowrank_on_and_off_across_a_restore() -> None:
     on.load_state_dict(state)  # nothing to restore: the chooser starts fresh
     assert on.lowrank is not None and on.lowrank.ranks() == {}
     on.compress(_grads(12))
+
+
+def test_what_is_not_a_chooser_state_is_a_config_error() -> None:
+    comp = _tail()
+    assert comp.lowrank is not None
+    with pytest.raises(ConfigError, match="format"):
+        comp.lowrank.load_state_dict({"format": 99})
+    with pytest.raises(ConfigError, match="incomplete"):
+        comp.lowrank.load_state_dict({"format": 1, "settings": {}})
+    with pytest.raises(ConfigError, match="format 3"):
+        comp.load_state_dict({**comp.state_dict(), "format": 3})
