@@ -32,9 +32,12 @@ layer, counted in the controller's ``decision_s``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +45,19 @@ import torch
 from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
 from tail_ray.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 LOWRANK_MODES = ("off", "auto")
 LOWRANK_TARGETS = ("bits", "budget")
 _MAX_BACKOFF = 16
+STATE_FORMAT = 1  # LowRankChooser.state_dict()
+# A setting's name where a user sets it (TailConfig), for the messages about a checkpoint.
+_CONFIG_NAMES = {
+    "ranks": "lowrank_ranks",
+    "bits": "lowrank_bits",
+    "trial_every_steps": "redecide_every_steps",
+    "start_step": "warmup_steps",
+}
 
 
 @dataclass(frozen=True)
@@ -157,7 +170,20 @@ class LowRankChooser:
         quantizer's relative error at the bits the budget picked."""
         t0 = time.perf_counter()
         layer = self._layers.get(name)
-        if layer is None or (layer.rows, layer.cols) != shape:
+        if layer is not None and (layer.rows, layer.cols) != shape:
+            # Only a restored state can disagree (a layer keeps its shape within a run): the
+            # checkpoint is of another model, or the model changed. Its rank, warm starts and
+            # bytes are those of another matrix: dropped, the layer starts over.
+            log.warning(
+                "low-rank state of layer %r is for a %dx%d matrix, the layer is now %dx%d: "
+                "dropped (the layer is quantized until a trial picks a rank again)",
+                name,
+                layer.rows,
+                layer.cols,
+                *shape,
+            )
+            layer = None
+        if layer is None:
             layer = self._layers[name] = _Layer(*shape, next_trial=self.settings.start_step)
         if layer.rank == 0 and step >= layer.next_trial and compensated is not None:
             miss = self._trial(layer, compensated, self._target(nu_quant))
@@ -313,5 +339,150 @@ class LowRankChooser:
             layer.quant_bytes = float(encoded_bytes)
 
     def reset(self) -> None:
-        """Forget every layer's mode (a restored or resized job restarts quantized)."""
+        """Forget every layer's state: each starts quantized and finds its rank again by trial."""
         self._layers.clear()
+
+    # --- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything later decisions and payloads depend on: the settings it was made with,
+        the cold-start generator's state, and per layer (by name) its shape, rank (0:
+        quantized), floor, trial schedule (``next_trial``, ``backoff``), the measured residual
+        ratio and bytes, the steps in its mode, and the warm starts (``q_warm``: the next
+        low-rank step's Q; ``trial_q``: the next trial's), as CPU tensor copies. Only tensors,
+        numbers, strings, tuples and dicts: ``torch.load(..., weights_only=True)`` reads it."""
+        layers: dict[str, dict[str, Any]] = {}
+        for name, layer in self._layers.items():
+            layers[name] = {
+                "rows": layer.rows,
+                "cols": layer.cols,
+                "rank": layer.rank,
+                "floor": layer.floor,
+                "next_trial": layer.next_trial,
+                "backoff": layer.backoff,
+                "steps_in_mode": layer.steps_in_mode,
+                "ratio_ema": layer.ratio_ema,
+                "quant_bytes": layer.quant_bytes,
+                "lowrank_bytes": layer.lowrank_bytes,
+                "q_warm": _cpu_copy(layer.q_warm),
+                "trial_q": _cpu_copy(layer.trial_q),
+            }
+        return {
+            "format": STATE_FORMAT,
+            "settings": {**asdict(self.settings), "bucket_size": self.bucket_size},
+            "generator": self._gen.get_state(),
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``. What does not fit is dropped, never raised on:
+
+        - made with other settings (any of ``LowRankSettings`` or the bucket size): nothing is
+          restored, every layer starts over by trial, with one warning naming the settings
+          and the layers. The saved ranks, floors and bytes were chosen and measured under
+          those settings (a rank no longer allowed, bytes at other factor bits) and would be
+          applied blindly otherwise;
+        - a layer whose saved state is inconsistent (a warm start that is not cols x rank, a
+          rank not among the candidates): that layer starts over, with a warning naming it;
+        - a layer whose shape changed: found at its first ``choose`` (the chooser learns
+          shapes from the gradients), dropped there with a warning naming it.
+
+        Why not ``ConfigError``: this state is a warm start, not correctness. Losing it costs
+        what a restart cost before it was saved (quantized layers until the trials find their
+        ranks again), while an error would keep a job from resuming after a deliberate change
+        of its low-rank settings, with nothing to fix but undoing the change. Only a state that
+        is not a chooser state at all (another format, missing fields) raises ``ConfigError``.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ConfigError(
+                f"low-rank chooser state format {found!r}, this build reads {STATE_FORMAT}: "
+                "pass LowRankChooser.state_dict() of a compatible build"
+            )
+        try:
+            saved_settings = dict(state["settings"])
+            generator = state["generator"]
+            saved_layers = {str(name): dict(layer) for name, layer in dict(state["layers"]).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"low-rank chooser state is incomplete ({exc!r}): not from state_dict()"
+            ) from None
+        ours = {**asdict(self.settings), "bucket_size": self.bucket_size}
+        differ = [key for key in ours if _setting(saved_settings.get(key)) != _setting(ours[key])]
+        if differ:
+            changes = ", ".join(
+                f"{_CONFIG_NAMES.get(k, k)} {_setting(saved_settings.get(k))!r} -> {_setting(ours[k])!r}"
+                for k in differ
+            )
+            log.warning(
+                "low-rank state was saved with other settings (%s): not restored; layers %s "
+                "start quantized and find their ranks again by trial",
+                changes,
+                sorted(saved_layers) or "(none)",
+            )
+            return
+        try:
+            self._gen.set_state(generator.clone())
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            raise ConfigError(
+                f"low-rank chooser state's generator is not a torch.Generator state: {exc}"
+            ) from None
+        layers: dict[str, _Layer] = {}
+        for name, saved in saved_layers.items():
+            try:
+                layers[name] = self._layer_from_state(saved)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("low-rank state of layer %r dropped (%s): the layer re-trials", name, exc)
+        self._layers = layers
+
+    def _layer_from_state(self, saved: Mapping[str, Any]) -> _Layer:
+        """One layer's state, checked for consistency (ValueError says what is off)."""
+        rows, cols, rank, floor = (int(saved[k]) for k in ("rows", "cols", "rank", "floor"))
+        if rows < 1 or cols < 1:
+            raise ValueError(f"shape {rows}x{cols}")
+        allowed = set(self.settings.ranks)
+        if rank and (rank not in allowed or rank > max_rank(rows, cols)):
+            raise ValueError(f"rank {rank} is not a candidate for a {rows}x{cols} matrix")
+        if floor and (floor not in allowed or floor > rank):
+            raise ValueError(f"floor {floor} with rank {rank}")
+        q_warm, trial_q = _tensor_or_none(saved["q_warm"]), _tensor_or_none(saved["trial_q"])
+        if (q_warm is None) != (rank == 0) or (q_warm is not None and tuple(q_warm.shape) != (cols, rank)):
+            shape = None if q_warm is None else tuple(q_warm.shape)
+            raise ValueError(f"warm start of shape {shape} for rank {rank} of a {rows}x{cols} matrix")
+        if trial_q is not None and (trial_q.dim() != 2 or trial_q.shape[0] != cols):
+            raise ValueError(f"trial start of shape {tuple(trial_q.shape)} for {cols} columns")
+        return _Layer(
+            rows,
+            cols,
+            rank=rank,
+            q_warm=q_warm,
+            trial_q=trial_q,
+            quant_bytes=_float_or_none(saved["quant_bytes"]),
+            lowrank_bytes=_float_or_none(saved["lowrank_bytes"]),
+            ratio_ema=_float_or_none(saved["ratio_ema"]),
+            steps_in_mode=int(saved["steps_in_mode"]),
+            floor=floor,
+            next_trial=int(saved["next_trial"]),
+            backoff=min(max(int(saved["backoff"]), 1), _MAX_BACKOFF),
+        )
+
+
+def _cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def _tensor_or_none(value: Any) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise ValueError(f"expected a float tensor or None, got {type(value).__name__}")
+    # A copy, strides kept: the continuation's products then run exactly as the saved run's.
+    return value.detach().to("cpu", torch.float32, copy=True)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _setting(value: Any) -> Any:
+    """A setting as compared: a checkpoint may hold a list where the settings hold a tuple."""
+    return tuple(value) if isinstance(value, list | tuple) else value

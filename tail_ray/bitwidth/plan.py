@@ -29,6 +29,7 @@ from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import Residual
+from tail_ray.errors import ConfigError
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
 
@@ -163,10 +164,14 @@ class BitController:
             self._dirty = True
 
     def state_dict(self) -> dict[str, Any]:
+        """Plans, the policy's state, the curves, and the sampling RNG (``rng``: numpy's
+        bit-generator state, a dict of str and int), so a restored controller draws the same
+        samples the saved one would have drawn next."""
         return {
             "plans": {name: asdict(p) for name, p in self.plans.items()},
             "policy": self.policy.state_dict(),
             "curves": {name: asdict(c) for name, c in self.curves.items()},
+            "rng": self._rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -192,3 +197,13 @@ class BitController:
             if len(c["nu"]) == len(self.candidate_bits)
         }
         self._allocated, self._allocated_step, self._dirty = {}, -1, bool(self.curves)
+        # Checkpoints before the RNG was saved have none: the seeded one goes on (the samples
+        # then differ from the saved run's; the decisions stay valid).
+        if "rng" in state:
+            rng = dict(state["rng"])
+            if rng.get("bit_generator") != type(self._rng.bit_generator).__name__:
+                raise ConfigError(
+                    f"controller state has a {rng.get('bit_generator')!r} sampling RNG, this build "
+                    f"uses {type(self._rng.bit_generator).__name__}: load it with the build that saved it"
+                )
+            self._rng.bit_generator.state = rng

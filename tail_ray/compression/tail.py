@@ -430,20 +430,52 @@ class TailCompressor(RecordCompressor):
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Controller state and residuals, keyed by layer name."""
+        """Controller state, the low-rank chooser's, and residuals, keyed by layer name.
+
+        Format 2 (format 1 plus ``lowrank``: ``LowRankChooser.state_dict()``, None when this
+        compressor has no chooser: lowrank off, or a sharded exchange / second stage)."""
         return {
-            "format": 1,
+            "format": 2,
             "config": asdict(self.config),
             "layer_steps": dict(self._layer_steps),
             "controller": self.controller.state_dict(),
+            "lowrank": self.lowrank.state_dict() if self.lowrank is not None else None,
             **super().state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, residuals: bool = True) -> None:
         """Restore the controller state always, and the residuals unless ``residuals=False``
-        (see ``RecordCompressor.load_state_dict``)."""
-        if int(state["format"]) != 1:
-            raise ConfigError(f"unsupported TailCompressor state format {state['format']!r}")
+        (see ``RecordCompressor.load_state_dict``).
+
+        The low-rank chooser (formats 1 and 2 are read): its state is restored when this
+        compressor has a chooser and the state holds one made with the same settings and
+        ``lowrank_target`` (else every layer starts quantized and re-trials, with a warning
+        naming the layers; see ``LowRankChooser.load_state_dict``). A format-1 state, or
+        one saved with lowrank off, starts the chooser fresh. Loaded with lowrank off, a
+        saved chooser state is ignored: its layers' residuals are restored as any other and
+        the quantizer sends them (nothing is lost)."""
+        fmt = state["format"]
+        if fmt not in (1, 2):
+            raise ConfigError(f"unsupported TailCompressor state format {fmt!r}, this build reads 1 and 2")
         self._layer_steps = {str(k): int(v) for k, v in dict(state["layer_steps"]).items()}
         self.controller.load_state_dict(state["controller"])
+        self._load_lowrank(state["lowrank"] if fmt == 2 else None, state["config"])
         super().load_state_dict(state, residuals=residuals)
+
+    def _load_lowrank(self, saved: Mapping[str, Any] | None, saved_config: Mapping[str, Any]) -> None:
+        if saved is None:
+            return  # nothing saved (format 1, lowrank off): a chooser starts fresh
+        if self.lowrank is None:
+            log.info("checkpoint has low-rank state but this compressor's lowrank is off: ignored")
+            return
+        target = saved_config["lowrank_target"]
+        if target != self.config.lowrank_target:
+            log.warning(
+                "low-rank state was saved with lowrank_target %r, this compressor has %r: not "
+                "restored; layers %s start quantized and find their ranks again by trial",
+                target,
+                self.config.lowrank_target,
+                sorted(dict(saved["layers"])) or "(none)",
+            )
+            return
+        self.lowrank.load_state_dict(saved)
