@@ -36,12 +36,20 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from tail_ray.bitwidth.lowrank_state import (
+    MAX_BACKOFF,
+    STATE_FORMAT,
+    LayerState,
+    layer_from_state,
+    layer_to_state,
+    settings_changes,
+)
 from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
 from tail_ray.errors import ConfigError
 
@@ -49,15 +57,6 @@ log = logging.getLogger(__name__)
 
 LOWRANK_MODES = ("off", "auto")
 LOWRANK_TARGETS = ("bits", "budget")
-_MAX_BACKOFF = 16
-STATE_FORMAT = 1  # LowRankChooser.state_dict()
-# A setting's name where a user sets it (TailConfig), for the messages about a checkpoint.
-_CONFIG_NAMES = {
-    "ranks": "lowrank_ranks",
-    "bits": "lowrank_bits",
-    "trial_every_steps": "redecide_every_steps",
-    "start_step": "warmup_steps",
-}
 
 
 @dataclass(frozen=True)
@@ -87,23 +86,6 @@ class LowRankSettings:
             raise ConfigError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
 
-@dataclass
-class _Layer:
-    rows: int
-    cols: int
-    rank: int = 0  # 0: quantized
-    q_warm: torch.Tensor | None = None
-    trial_q: torch.Tensor | None = None
-    quant_bytes: float | None = None  # the layer's latest quantized payload bytes
-    lowrank_bytes: float | None = None  # ... and low-rank, at ``rank``
-    ratio_ema: float | None = None
-    steps_in_mode: int = 0
-    floor: int = 0  # a rank the measured residual outgrew: never lowered below again while low-rank
-    next_trial: int = 0
-    backoff: int = 1
-    history: list[int] = field(default_factory=list)
-
-
 def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """For Q = M^T P with P orthonormal (cols x R): the energy of M that the best rank-r
     approximation inside span(P) keeps, for r = 1..R (cumulative, descending), and the
@@ -123,11 +105,16 @@ def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
 class LowRankChooser:
     """See the module docstring. One per compressor; state per layer name."""
 
-    def __init__(self, settings: LowRankSettings, *, bucket_size: int, seed: int) -> None:
+    def __init__(
+        self, settings: LowRankSettings, *, bucket_size: int, seed: int, target: str = "bits"
+    ) -> None:
         self.settings = settings
         self.bucket_size = bucket_size
+        # What the residual is held to (TailConfig.lowrank_target; the compressor applies it):
+        # kept with the state, as ranks chosen under one target are not another's.
+        self.target = target
         self._gen = torch.Generator().manual_seed(int(seed))
-        self._layers: dict[str, _Layer] = {}
+        self._layers: dict[str, LayerState] = {}
         self.decision_s = 0.0
 
     # --- queries ---------------------------------------------------------------------------
@@ -145,10 +132,10 @@ class LowRankChooser:
     def ranks(self) -> dict[str, int]:
         return {name: layer.rank for name, layer in self._layers.items()}
 
-    def _lowrank_bytes(self, layer: _Layer, rank: int) -> float:
+    def _lowrank_bytes(self, layer: LayerState, rank: int) -> float:
         return float(factor_bytes(layer.rows, layer.cols, rank, self.settings.bits, self.bucket_size))
 
-    def _affordable(self, layer: _Layer, above: int = 0) -> list[int]:
+    def _affordable(self, layer: LayerState, above: int = 0) -> list[int]:
         """Candidate ranks above ``above`` whose factors save ``min_gain`` of the quantized bytes."""
         if layer.quant_bytes is None:
             return []
@@ -184,7 +171,7 @@ class LowRankChooser:
             )
             layer = None
         if layer is None:
-            layer = self._layers[name] = _Layer(*shape, next_trial=self.settings.start_step)
+            layer = self._layers[name] = LayerState(*shape, next_trial=self.settings.start_step)
         if layer.rank == 0 and step >= layer.next_trial and compensated is not None:
             miss = self._trial(layer, compensated, self._target(nu_quant))
             if miss <= 1:
@@ -194,7 +181,7 @@ class LowRankChooser:
                 # 16), more when preempted on a loaded host: a layer that keeps failing is
                 # tried less often, 2x later after a near miss, 4x after a clear one (the best
                 # rank's estimate over 2x the target), up to 16x the interval.
-                layer.backoff = min(layer.backoff * (2 if miss <= 2 else 4), _MAX_BACKOFF)
+                layer.backoff = min(layer.backoff * (2 if miss <= 2 else 4), MAX_BACKOFF)
             layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
         self.decision_s += time.perf_counter() - t0
         return layer.rank
@@ -211,7 +198,7 @@ class LowRankChooser:
         nu = min(max(float(nu_quant), 0.0), 0.99)
         return nu / (1 - nu)
 
-    def _trial(self, layer: _Layer, compensated: np.ndarray, target: float) -> float:
+    def _trial(self, layer: LayerState, compensated: np.ndarray, target: float) -> float:
         """How far the best affordable rank's estimate is from the target (<= 1: it met it, and
         the layer is low-rank from now; inf: nothing to try)."""
         ranks = self._affordable(layer)
@@ -299,7 +286,7 @@ class LowRankChooser:
             self._try_lower(layer, q_next, m_sq, target)
         self.decision_s += time.perf_counter() - t0
 
-    def _try_lower(self, layer: _Layer, q: torch.Tensor, m_sq: float, target: float) -> None:
+    def _try_lower(self, layer: LayerState, q: torch.Tensor, m_sq: float, target: float) -> None:
         """A lower rank, where the current factors say it would meet the target too: Q = M^T P
         with P orthonormal, so the singular values of Q give the energy every lower rank keeps
         of this step's M (an entry trial's estimate, on the steady-state M)."""
@@ -319,13 +306,13 @@ class LowRankChooser:
                 layer.lowrank_bytes = None
                 return
 
-    def _leave(self, layer: _Layer, step: int) -> None:
+    def _leave(self, layer: LayerState, step: int) -> None:
         layer.rank = 0
         layer.floor = 0
         layer.q_warm = None
         layer.ratio_ema = None
         layer.steps_in_mode = 0
-        layer.backoff = min(layer.backoff * 2, _MAX_BACKOFF)
+        layer.backoff = min(layer.backoff * 2, MAX_BACKOFF)
         layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
 
     def observe_bytes(self, name: str, encoded_bytes: int, lowrank: bool) -> None:
@@ -350,33 +337,20 @@ class LowRankChooser:
         ratio and bytes, the steps in its mode, and the warm starts (``q_warm``: the next
         low-rank step's Q; ``trial_q``: the next trial's), as CPU tensor copies. Only tensors,
         numbers, strings, tuples and dicts: ``torch.load(..., weights_only=True)`` reads it."""
-        layers: dict[str, dict[str, Any]] = {}
-        for name, layer in self._layers.items():
-            layers[name] = {
-                "rows": layer.rows,
-                "cols": layer.cols,
-                "rank": layer.rank,
-                "floor": layer.floor,
-                "next_trial": layer.next_trial,
-                "backoff": layer.backoff,
-                "steps_in_mode": layer.steps_in_mode,
-                "ratio_ema": layer.ratio_ema,
-                "quant_bytes": layer.quant_bytes,
-                "lowrank_bytes": layer.lowrank_bytes,
-                "q_warm": _cpu_copy(layer.q_warm),
-                "trial_q": _cpu_copy(layer.trial_q),
-            }
         return {
             "format": STATE_FORMAT,
-            "settings": {**asdict(self.settings), "bucket_size": self.bucket_size},
+            "settings": self._settings_key(),
             "generator": self._gen.get_state(),
-            "layers": layers,
+            "layers": {name: layer_to_state(layer) for name, layer in self._layers.items()},
         }
+
+    def _settings_key(self) -> dict[str, Any]:
+        return {**asdict(self.settings), "bucket_size": self.bucket_size, "target": self.target}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``. What does not fit is dropped, never raised on:
 
-        - made with other settings (any of ``LowRankSettings`` or the bucket size): nothing is
+        - made with other settings (any of ``LowRankSettings``, the bucket size or the target): nothing is
           restored, every layer starts over by trial, with one warning naming the settings
           and the layers. The saved ranks, floors and bytes were chosen and measured under
           those settings (a rank no longer allowed, bytes at other factor bits) and would be
@@ -406,13 +380,8 @@ class LowRankChooser:
             raise ConfigError(
                 f"low-rank chooser state is incomplete ({exc!r}): not from state_dict()"
             ) from None
-        ours = {**asdict(self.settings), "bucket_size": self.bucket_size}
-        differ = [key for key in ours if _setting(saved_settings.get(key)) != _setting(ours[key])]
-        if differ:
-            changes = ", ".join(
-                f"{_CONFIG_NAMES.get(k, k)} {_setting(saved_settings.get(k))!r} -> {_setting(ours[k])!r}"
-                for k in differ
-            )
+        changes = settings_changes(saved_settings, self._settings_key())
+        if changes:
             log.warning(
                 "low-rank state was saved with other settings (%s): not restored; layers %s "
                 "start quantized and find their ranks again by trial",
@@ -426,63 +395,10 @@ class LowRankChooser:
             raise ConfigError(
                 f"low-rank chooser state's generator is not a torch.Generator state: {exc}"
             ) from None
-        layers: dict[str, _Layer] = {}
+        layers: dict[str, LayerState] = {}
         for name, saved in saved_layers.items():
             try:
-                layers[name] = self._layer_from_state(saved)
+                layers[name] = layer_from_state(saved, self.settings.ranks)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("low-rank state of layer %r dropped (%s): the layer re-trials", name, exc)
         self._layers = layers
-
-    def _layer_from_state(self, saved: Mapping[str, Any]) -> _Layer:
-        """One layer's state, checked for consistency (ValueError says what is off)."""
-        rows, cols, rank, floor = (int(saved[k]) for k in ("rows", "cols", "rank", "floor"))
-        if rows < 1 or cols < 1:
-            raise ValueError(f"shape {rows}x{cols}")
-        allowed = set(self.settings.ranks)
-        if rank and (rank not in allowed or rank > max_rank(rows, cols)):
-            raise ValueError(f"rank {rank} is not a candidate for a {rows}x{cols} matrix")
-        if floor and (floor not in allowed or floor > rank):
-            raise ValueError(f"floor {floor} with rank {rank}")
-        q_warm, trial_q = _tensor_or_none(saved["q_warm"]), _tensor_or_none(saved["trial_q"])
-        if (q_warm is None) != (rank == 0) or (q_warm is not None and tuple(q_warm.shape) != (cols, rank)):
-            shape = None if q_warm is None else tuple(q_warm.shape)
-            raise ValueError(f"warm start of shape {shape} for rank {rank} of a {rows}x{cols} matrix")
-        if trial_q is not None and (trial_q.dim() != 2 or trial_q.shape[0] != cols):
-            raise ValueError(f"trial start of shape {tuple(trial_q.shape)} for {cols} columns")
-        return _Layer(
-            rows,
-            cols,
-            rank=rank,
-            q_warm=q_warm,
-            trial_q=trial_q,
-            quant_bytes=_float_or_none(saved["quant_bytes"]),
-            lowrank_bytes=_float_or_none(saved["lowrank_bytes"]),
-            ratio_ema=_float_or_none(saved["ratio_ema"]),
-            steps_in_mode=int(saved["steps_in_mode"]),
-            floor=floor,
-            next_trial=int(saved["next_trial"]),
-            backoff=min(max(int(saved["backoff"]), 1), _MAX_BACKOFF),
-        )
-
-
-def _cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().to("cpu", copy=True)
-
-
-def _tensor_or_none(value: Any) -> torch.Tensor | None:
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        raise ValueError(f"expected a float tensor or None, got {type(value).__name__}")
-    # A copy, strides kept: the continuation's products then run exactly as the saved run's.
-    return value.detach().to("cpu", torch.float32, copy=True)
-
-
-def _float_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _setting(value: Any) -> Any:
-    """A setting as compared: a checkpoint may hold a list where the settings hold a tuple."""
-    return tuple(value) if isinstance(value, list | tuple) else value

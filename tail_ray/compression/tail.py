@@ -31,6 +31,7 @@ from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
+from tail_ray.compression.peer_reports import encode_report, merge_reports
 from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
@@ -227,7 +228,10 @@ class TailCompressor(RecordCompressor):
         self.lowrank: LowRankChooser | None = None
         if self.config.lowrank == "auto":
             self.lowrank = LowRankChooser(
-                self.config.lowrank_settings(), bucket_size=self.config.bucket_size, seed=self._seed
+                self.config.lowrank_settings(),
+                bucket_size=self.config.bucket_size,
+                seed=self._seed,
+                target=self.config.lowrank_target,
             )
         self._shapes: dict[str, tuple[int, ...]] = {}
 
@@ -399,34 +403,14 @@ class TailCompressor(RecordCompressor):
         self.controller.policy.observe_spread(name, spread, compression, grad_sq)
 
     def peer_report(self, names: Sequence[str]) -> bytes:
-        """(spread, compression, grad_sq, numel) per name as float64, NaN where unmeasured."""
-        nan = (math.nan,) * 4
-        values = [v for name in names for v in self._measured.get(name, nan)]
-        return np.asarray(values, dtype="<f8").tobytes()
+        """This rank's measurements of ``names`` for the ranks that own none (peer_reports.py)."""
+        return encode_report(self._measured, names)
 
     def observe_reports(self, reports: Sequence[tuple[Sequence[str], bytes]]) -> None:
-        """Other owners' measurements: for each layer this rank did not measure itself, one
-        observation, the numel-weighted mean of the slices reported (several owners may hold
-        slices of one layer), so the running average moves once per step as after an
-        all-gather. A report of the wrong size is ignored (it only informs the budget)."""
-        merged: dict[str, list[float]] = {}
-        for names, blob in reports:
-            if len(blob) != 32 * len(names):
-                log.warning("peer report of %d bytes for %d layers: ignored", len(blob), len(names))
-                continue
-            values = np.frombuffer(blob, dtype="<f8")
-            for name, (spread, compression, grad_sq, numel) in zip(names, values.reshape(-1, 4), strict=True):
-                if name in self._measured or not all(
-                    math.isfinite(v) for v in (spread, compression, grad_sq)
-                ):
-                    continue
-                acc = merged.setdefault(name, [0.0, 0.0, 0.0, 0.0])
-                for i, v in enumerate((spread, compression, grad_sq)):
-                    acc[i] += float(v) * float(numel)
-                acc[3] += float(numel)
-        for name, (spread, compression, grad_sq, weight) in merged.items():
-            if weight > 0:
-                self._observe(name, spread / weight, compression / weight, grad_sq / weight)
+        """Other owners' measurements, one observation per layer this rank did not measure,
+        so the running average moves once per step as after an all-gather."""
+        for name, (spread, compression, grad_sq) in merge_reports(reports, self._measured).items():
+            self._observe(name, spread, compression, grad_sq)
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -447,35 +431,20 @@ class TailCompressor(RecordCompressor):
         """Restore the controller state always, and the residuals unless ``residuals=False``
         (see ``RecordCompressor.load_state_dict``).
 
-        The low-rank chooser (formats 1 and 2 are read): its state is restored when this
-        compressor has a chooser and the state holds one made with the same settings and
-        ``lowrank_target`` (else every layer starts quantized and re-trials, with a warning
-        naming the layers; see ``LowRankChooser.load_state_dict``). A format-1 state, or
-        one saved with lowrank off, starts the chooser fresh. Loaded with lowrank off, a
-        saved chooser state is ignored: its layers' residuals are restored as any other and
-        the quantizer sends them (nothing is lost)."""
+        The low-rank chooser's state (format 2) goes to ``LowRankChooser.load_state_dict``
+        (other settings: a warning, the layers re-trial). Format 1, or a state saved with
+        lowrank off, starts the chooser fresh; with lowrank off here a saved chooser state is
+        ignored, and the quantizer sends its layers' restored residuals (nothing is lost)."""
         fmt = state["format"]
         if fmt not in (1, 2):
             raise ConfigError(f"unsupported TailCompressor state format {fmt!r}, this build reads 1 and 2")
         self._layer_steps = {str(k): int(v) for k, v in dict(state["layer_steps"]).items()}
         self.controller.load_state_dict(state["controller"])
-        self._load_lowrank(state["lowrank"] if fmt == 2 else None, state["config"])
+        self._load_lowrank(state["lowrank"] if fmt == 2 else None)
         super().load_state_dict(state, residuals=residuals)
 
-    def _load_lowrank(self, saved: Mapping[str, Any] | None, saved_config: Mapping[str, Any]) -> None:
-        if saved is None:
-            return  # nothing saved (format 1, lowrank off): a chooser starts fresh
-        if self.lowrank is None:
+    def _load_lowrank(self, saved: Mapping[str, Any] | None) -> None:
+        if saved is not None and self.lowrank is not None:
+            self.lowrank.load_state_dict(saved)
+        elif saved is not None:
             log.info("checkpoint has low-rank state but this compressor's lowrank is off: ignored")
-            return
-        target = saved_config["lowrank_target"]
-        if target != self.config.lowrank_target:
-            log.warning(
-                "low-rank state was saved with lowrank_target %r, this compressor has %r: not "
-                "restored; layers %s start quantized and find their ranks again by trial",
-                target,
-                self.config.lowrank_target,
-                sorted(dict(saved["layers"])) or "(none)",
-            )
-            return
-        self.lowrank.load_state_dict(saved)
