@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 METRICS_DIR_ENV = "TAIL_RAY_METRICS_DIR"
 DEFAULT_METRICS_DIR = "tail-ray-metrics"
 CLOSE_TIMEOUT_S = 5.0
+# How long a worker waits, once, at start-up for its job's sink actor to be up. Pushes to an
+# actor still being created queue inside the calling process, and a worker that dies before
+# the actor is up (Ray Train tears down the whole group when one rank fails) loses them all:
+# CI lost a first attempt's steps 0-5 that way on a slow machine. Pushes to a live actor have
+# left the process within milliseconds.
+SINK_READY_TIMEOUT_S = 10.0
 
 
 class MetricsWriter(Protocol):
@@ -38,6 +44,23 @@ class MetricsWriter(Protocol):
     def describe(self) -> str: ...
 
 
+def _wait_until_up(sink: Any, name: str) -> None:
+    """Wait (at most SINK_READY_TIMEOUT_S, once per worker) for the sink actor to answer.
+    ``__ray_ready__`` is every actor's own no-op, so a sink of an older release answers too.
+    Not up in time: training goes on and the records queue as before (never an error)."""
+    import ray
+
+    try:
+        ray.get(sink.__ray_ready__.remote(), timeout=SINK_READY_TIMEOUT_S)
+    except Exception as exc:  # GetTimeoutError, RayActorError: metrics must not stop training
+        logger.warning(
+            "metrics sink %s not up after %.0f s (%s): records queue until it is",
+            name,
+            SINK_READY_TIMEOUT_S,
+            type(exc).__name__,
+        )
+
+
 class RaySinkWriter:
     """The job's sink actor (created on first use, detached, named after the job id)."""
 
@@ -46,7 +69,9 @@ class RaySinkWriter:
         from tail_ray.metrics.sink import get_or_create_sink, sink_actor_name
 
         self._name = sink_actor_name(job_id)
-        self._client = MetricsClient(get_or_create_sink(job_id), rank=rank, queue_records=queue_records)
+        sink = get_or_create_sink(job_id)
+        _wait_until_up(sink, self._name)
+        self._client = MetricsClient(sink, rank=rank, queue_records=queue_records)
 
     def extend(self, records: list[dict[str, Any]]) -> None:
         self._client.extend(records)

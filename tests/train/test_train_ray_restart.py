@@ -98,5 +98,5 @@ def test_a_restart_resumes_the_controller_from_the_users_checkpoint(cluster, tmp
         steps = [r["step"] for r in records if r["type"] == "step" and r["rank"] == rank]
         # First attempt: 0.. up to the failure; after the restart: CHECKPOINT_AT..STEPS-1.
         assert steps[-(STEPS - CHECKPOINT_AT) :] == list(range(CHECKPOINT_AT, STEPS)), (rank, steps)
-        assert steps[:CHECKPOINT_AT] == list(range(CHECKPOINT_AT))
+        assert steps[:CHECKPOINT_AT] == list(range(CHECKPOINT_AT)), (rank, steps)
     close_sink(job_id)
