@@ -58,10 +58,6 @@ def pages(shape: Shape, steps: int, page_records: int) -> list[list[tuple[str, I
     ]
 
 
-def _process_cpu_s() -> float:
-    return time.process_time()
-
-
 def _server_cpu_s(data_dir: Path | None) -> float:
     """CPU of a PostgreSQL server's processes (postmaster and backends), 0 for SQLite."""
     if data_dir is None:
@@ -121,13 +117,13 @@ def run_backend(backend: str, shape: Shape, rounds: list[list[tuple[str, IngestB
                     job_id=shape.job_id(j), name=shape.job_id(j), source="api", status="RUNNING",
                     entrypoint="(bench)", spec=None,
                 )  # fmt: skip
-            cpu0, server0, t0 = _process_cpu_s(), _server_cpu_s(data_dir), time.perf_counter()
+            cpu0, server0, t0 = time.process_time(), _server_cpu_s(data_dir), time.perf_counter()
             for i, batches in enumerate(rounds):
                 store.ingest_many(batches)
                 if (i + 1) % max(1, len(rounds) // 4) == 0:
                     logger.info("%s: %d of %d rounds stored", backend, i + 1, len(rounds))
             wall_s = time.perf_counter() - t0
-            client_s, server_s = _process_cpu_s() - cpu0, _server_cpu_s(data_dir) - server0
+            client_s, server_s = time.process_time() - cpu0, _server_cpu_s(data_dir) - server0
             _check_stored(store, rounds)
             job = shape.job_id(0)
             reads = {

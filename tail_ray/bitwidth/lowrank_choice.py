@@ -325,10 +325,6 @@ class LowRankChooser:
         else:
             layer.quant_bytes = float(encoded_bytes)
 
-    def reset(self) -> None:
-        """Forget every layer's state: each starts quantized and finds its rank again by trial."""
-        self._layers.clear()
-
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything later decisions and payloads depend on: the settings it was made with,
