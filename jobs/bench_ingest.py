@@ -2,12 +2,16 @@
 
     python -m jobs.bench_ingest [--backend sqlite|postgresql|both] [--steps 12] [--jobs 8]
                                 [--ranks 32] [--layers 200] [--page-records 5000]
+                                [--writers 0,auto] [--repeat 1]
 
 ``jobs.load_test`` measures the whole path (sinks on Ray -> ingest process -> database) with
 its load generator on the same cores; where the generator is the limit (its report says how
 busy the machine was beside the service), this tells what the database side alone can take.
-Each round stores one columnar page per job in one transaction, as the ingester's
-``drain`` does (``Storage.ingest_many``), pages built by the sinks' own ``columns_of``. The
+The pages are the sinks' own columnar form (``columns_of``), stored as the ingester's
+``drain`` stores them: through its writer threads (``IngestPipeline``, ``--writers N``, "auto"
+= the backend's default), or with ``--writers 0`` as before them: each round of pages (one
+per job) in one transaction, the next round only after it. Several ``--writers`` values, with
+``--repeat``, run alternately on one fresh database each: ratios side by side in one run. The
 PostgreSQL server is a fresh local one, durable (fsync on); its CPU is counted apart from
 this process's. After the ingest, the reads the dashboards make are timed on the full tables.
 Prints a table and, as the last line, one JSON object.
@@ -28,6 +32,7 @@ from typing import Any
 
 from jobs.cpu_time import tree_cpu_seconds
 from jobs.load_clients import Shape, rank_templates, step_batch
+from service.ingest_pipeline import IngestPipeline
 from service.storage import IngestBatch, Storage, open_storage
 from tail_ray.metrics.sink import columns_of
 
@@ -99,7 +104,26 @@ def _timed_ms(fn: Any, repeats: int = 5) -> float:
     return round(best, 1)
 
 
-def run_backend(backend: str, shape: Shape, rounds: list[list[tuple[str, IngestBatch]]]) -> dict[str, Any]:
+def _store_rounds(store: Storage, rounds: list[list[tuple[str, IngestBatch]]], writers: int) -> None:
+    """Every round, as the ingester stores it: synchronously by round (0 writers), or through
+    the writer threads."""
+    if writers == 0:
+        for batches in rounds:
+            store.ingest_many(batches)
+        return
+    pipeline = IngestPipeline(store, writers)
+    try:
+        for batches in rounds:
+            for job_id, batch in batches:
+                pipeline.submit(job_id, batch)
+        pipeline.wait()
+    finally:
+        pipeline.close()
+
+
+def run_backend(
+    backend: str, shape: Shape, rounds: list[list[tuple[str, IngestBatch]]], writers: int | None
+) -> dict[str, Any]:
     records = sum(
         len(b.columns["layer"]["seq"]) + len(b.columns["step"]["seq"]) for r in rounds for _, b in r
     )
@@ -111,6 +135,7 @@ def run_backend(backend: str, shape: Shape, rounds: list[list[tuple[str, IngestB
         ),
     ):
         store: Storage = open_storage(url)
+        writers = store.ingest_writers if writers is None else writers
         try:
             for j in range(shape.jobs):
                 store.insert_job(
@@ -118,10 +143,7 @@ def run_backend(backend: str, shape: Shape, rounds: list[list[tuple[str, IngestB
                     entrypoint="(bench)", spec=None,
                 )  # fmt: skip
             cpu0, server0, t0 = time.process_time(), _server_cpu_s(data_dir), time.perf_counter()
-            for i, batches in enumerate(rounds):
-                store.ingest_many(batches)
-                if (i + 1) % max(1, len(rounds) // 4) == 0:
-                    logger.info("%s: %d of %d rounds stored", backend, i + 1, len(rounds))
+            _store_rounds(store, rounds, writers)
             wall_s = time.perf_counter() - t0
             client_s, server_s = time.process_time() - cpu0, _server_cpu_s(data_dir) - server0
             _check_stored(store, rounds)
@@ -135,6 +157,7 @@ def run_backend(backend: str, shape: Shape, rounds: list[list[tuple[str, IngestB
             store.close()
     return {
         "backend": backend,
+        "writers": writers,
         "records": records,
         "rounds": len(rounds),
         "wall_s": round(wall_s, 2),
@@ -160,8 +183,22 @@ def main(argv: list[str] | None = None) -> int:
         default=5_000,
         help="records per sink page (ingest_batch_records)",
     )
+    parser.add_argument(
+        "--writers",
+        default="0,auto",
+        help="comma-separated writer-thread counts to compare: 0 = a transaction per round, "
+        "stored before the next (the ingester before its writer threads); auto = the backend's "
+        "default (SQLite 1, PostgreSQL 2)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each --writers value, alternating")
     args = parser.parse_args(argv)
-    for name in ("jobs", "ranks", "layers", "steps", "page_records"):
+    try:
+        writer_counts = [None if w.strip() == "auto" else int(w) for w in args.writers.split(",")]
+    except ValueError:
+        parser.error(f"--writers takes numbers or 'auto', comma-separated; got {args.writers!r}")
+    if any(w is not None and not 0 <= w <= 8 for w in writer_counts):
+        parser.error(f"--writers must each be 0-8 or 'auto', got {args.writers!r}")
+    for name in ("jobs", "ranks", "layers", "steps", "page_records", "repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -170,18 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     results = []
     for backend in backends:
-        logger.info("%s: storing %d rounds of %d jobs' pages", backend, len(rounds), shape.jobs)
-        results.append(run_backend(backend, shape, rounds))
+        for _ in range(args.repeat):
+            for writers in writer_counts:
+                logger.info(
+                    "%s, writers %s: storing %d rounds of %d jobs' pages",
+                    backend, "auto" if writers is None else writers, len(rounds), shape.jobs,
+                )  # fmt: skip
+                results.append(run_backend(backend, shape, rounds, writers))
     print(
         f"{shape.jobs} jobs x {shape.ranks} ranks x {shape.layers} layers x {args.steps} steps, pages of "
         f"{args.page_records} records; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "backend      records   records/s   client cpu s   server cpu s   summary ms   latest ms   steps ms"
+        "backend     writers  records   records/s   client cpu s   server cpu s   summary ms   latest ms"
+        "   steps ms"
     )
     for r in results:
         print(
-            f"{r['backend']:<11} {r['records']:>8} {r['records_per_s']:>11} {r['client_cpu_s']:>14}"
+            f"{r['backend']:<11} {r['writers']:>7} {r['records']:>8} {r['records_per_s']:>11}"
+            f" {r['client_cpu_s']:>14}"
             f" {r['server_cpu_s']:>14} {r['summary_ms']:>12} {r['latest_layers_ms']:>11} {r['steps_ms']:>9}"
         )
     print(json.dumps({"shape": vars(args), "results": results}))

@@ -10,7 +10,8 @@ Two duties, one loop (``run_forever``), each step a plain blocking method the te
   to stop reads STOPPING until Ray says it ended. Runs on start and every ``sync_interval_s``.
 - ``drain``: for each job not yet drained, read its sink from the stored cursor in pages of
   ``ingest_batch_records`` (reads in flight while earlier pages are stored) and persist each
-  page with its new cursor in one transaction (``Storage.ingest``). A restart resumes from the stored
+  page with its new cursor in one transaction (``Storage.ingest_many``, on the writer threads
+  of ingest_pipeline.py while the next pages are read). A restart resumes from the stored
   cursor: nothing lost, nothing doubled, and whatever the sink buffered meanwhile is read now.
 - ``retain``: every ``retention_interval_s``, thin old records per job (``Storage.apply_retention``).
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 from service.errors import JobNotFound, RayUnavailable
+from service.ingest_pipeline import IngestPipeline
 from service.ray_client import RayGateway, RayJob, name_from_entrypoint
 from service.settings import Settings
 from service.status import JobStatus
@@ -68,6 +71,8 @@ class Ingester:
         self.last_error: str | None = None
         self.lease = storage.leader_lease()
         self.stored_records = 0  # by this process (a replica that is not the leader stores none)
+        self._stored_lock = threading.Lock()  # writer threads add to stored_records
+        self._pipeline: IngestPipeline | None = None  # made by the first drain
         self._last_sync = 0.0
         self._last_retention = 0.0
         self._unknown_since: dict[str, float] = {}  # job id -> monotonic time Ray first lacked it
@@ -80,8 +85,22 @@ class Ingester:
         return IngestStatus(self.is_leader, self.stored_records, self.last_error)
 
     def close(self) -> None:
-        """Give up the leader lease (another replica's next pass takes over)."""
+        """Store what was read, stop the writer threads, and give up the leader lease (another
+        replica's next pass takes over)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
         self.lease.release()
+
+    @property
+    def pipeline(self) -> IngestPipeline:
+        if self._pipeline is None:
+            writers = self.settings.ingest_writers or self.storage.ingest_writers
+            self._pipeline = IngestPipeline(self.storage, writers, on_stored=self._count_stored)
+        return self._pipeline
+
+    def _count_stored(self, job_id: str, records: int) -> None:
+        with self._stored_lock:
+            self.stored_records += records
 
     # ------------------------------------------------------------ job table
     def sync_jobs(self) -> int:
@@ -161,52 +180,48 @@ class Ingester:
 
         Every job's first read is sent at once. Each round takes every page that has come back
         (waiting for at least one), sends the next read of each job whose page was full, and
-        stores the round's pages with their cursors in one transaction while those reads are in
-        flight: the sink actors serialize pages while this process stores earlier ones, and a
-        round costs one commit however many jobs it holds."""
+        hands the pages to the writer threads (ingest_pipeline.py), which store them while
+        the next round is read: the sink actors serialize pages, this thread deserializes
+        them and the database commits earlier ones, all at once. Returns once all of it is
+        stored; a failed write is raised (its jobs' cursors stay at their last stored page)."""
         limit = self.settings.ingest_batch_records
         jobs = {job.id: _JobDrain(job, cursor) for job, cursor in self.storage.undrained_jobs()}
-        inflight = self.ray.request_sink_pages({job_id: d.cursor for job_id, d in jobs.items()}, limit)
-        while inflight and self.lease.held:  # a leader that lost its lease stops at the next round
-            pages = {}
-            for job_id in self.ray.answered_sink_pages(inflight):
-                page = self.ray.sink_page(job_id, inflight.pop(job_id))
-                if page is not None and _page_records(page) >= limit:
-                    inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
-                pages[job_id] = page
-            self._store(jobs, pages)
+        pipeline = self.pipeline
+        try:
+            inflight = self.ray.request_sink_pages({job_id: d.cursor for job_id, d in jobs.items()}, limit)
+            while inflight and self.lease.held:  # a leader that lost its lease stops at the next round
+                for job_id in self.ray.answered_sink_pages(inflight):
+                    page = self.ray.sink_page(job_id, inflight.pop(job_id))
+                    if page is not None and _page_records(page) >= limit:
+                        inflight.update(self.ray.request_sink_pages({job_id: int(page["next_seq"])}, limit))
+                    if page is not None:
+                        self._submit(jobs[job_id], page)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                pipeline.wait()  # settle what was submitted; the first error is the one to raise
+            raise
+        pipeline.wait()
         if not self.lease.held:
             return sum(d.read for d in jobs.values())  # another replica ingests now; it decides drains
         for d in jobs.values():
             self._maybe_drained(d)
         return sum(d.read for d in jobs.values())
 
-    def _store(self, jobs: dict[str, _JobDrain], pages: dict[str, dict | None]) -> None:
-        """Store one round's pages (one transaction) and advance each job's cursor."""
-        batches = []
-        for job_id, page in pages.items():
-            if page is None:
-                continue
-            jobs[job_id].saw_sink = True
-            batches.append((job_id, IngestBatch(
-                records=page["records"],
-                columns=page if "count" in page else None,
-                next_seq=int(page["next_seq"]),
-                missed=int(page["missed"]),
-                dropped_in_sink=int(page["dropped_in_sink"]),
-                dropped_by_workers=int(page["dropped_by_workers"]),
-            )))  # fmt: skip
-        if not batches:
-            return
-        self.stored_records += sum(self.storage.ingest_many(batches))
-        for job_id, batch in batches:
-            d, page = jobs[job_id], pages[job_id]
-            if batch.missed:
-                logger.warning(
-                    "job %s: the sink dropped %d records before we read them", job_id, batch.missed
-                )
-            d.read += _page_records(page) if page is not None else 0
-            d.cursor = batch.next_seq
+    def _submit(self, d: _JobDrain, page: dict) -> None:
+        """Hand one sink page to the writers (stored after the job's earlier pages)."""
+        d.saw_sink = True
+        batch = IngestBatch(
+            records=page["records"],
+            columns=page if "count" in page else None,
+            next_seq=int(page["next_seq"]),
+            missed=int(page["missed"]),
+            dropped_in_sink=int(page["dropped_in_sink"]),
+            dropped_by_workers=int(page["dropped_by_workers"]),
+        )
+        if batch.missed:
+            logger.warning("job %s: the sink dropped %d records before we read them", d.job.id, batch.missed)
+        d.read += _page_records(page)
+        self.pipeline.submit(d.job.id, batch)
 
     def _maybe_drained(self, d: _JobDrain) -> None:
         """A job is drained when it ended ``drain_grace_s`` ago and this pass read nothing new."""
@@ -214,6 +229,7 @@ class Ingester:
         settled = ended_at is not None and time.time() - ended_at >= self.settings.drain_grace_s
         if d.job.is_terminal and settled and d.read == 0:
             self.storage.mark_drained(d.job.id)
+            self.pipeline.forget(d.job.id)
             if d.saw_sink and self.settings.close_drained_sinks:
                 self.ray.close_sink(d.job.id)
             logger.info("job %s: metrics drained", d.job.id)

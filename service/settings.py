@@ -125,6 +125,14 @@ class Settings(BaseSettings):
     ingest_batch_records: int = Field(
         5_000, ge=1, le=100_000, description="Records read from a sink and stored per transaction."
     )
+    ingest_writers: int = Field(
+        0,
+        ge=0,
+        le=4,  # PostgreSQL's write pool holds 4 connections
+        description="Writer threads that store sink pages while the next ones are read, each "
+        "job's pages in order on one of them. 0: the backend's choice (SQLite 1: one write lock; "
+        "PostgreSQL 2).",
+    )
     sync_interval_s: float = Field(3.0, gt=0, le=300)
     drain_grace_s: float = Field(5.0, ge=0, le=600)
     close_drained_sinks: bool = True

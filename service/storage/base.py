@@ -107,6 +107,10 @@ class Storage(ABC):
     """The one storage interface (see the module docstring)."""
 
     backend: str  # "sqlite" | "postgresql"
+    # Ingest transactions worth running at once (the ingester's writer threads, unless the
+    # ingest_writers setting says otherwise): SQLite has one write lock; a server commits
+    # several, and two kept PostgreSQL busy while the ingest process prepared the next pages.
+    ingest_writers: int = 1
 
     # ---------------------------------------------------------------- lifecycle
     @abstractmethod

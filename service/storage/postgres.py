@@ -210,6 +210,7 @@ def _configure_reader(conn: psycopg.Connection[Any]) -> None:
 
 class PostgresStorage(JobsSql, IngestSql, ReadsSql, RetentionSql, LayerBitsSql):
     backend = "postgresql"
+    ingest_writers = 2  # measured: docs/operations.md, "Fifth pass"
 
     def __init__(self, url: str, max_readers: int = 16, max_writers: int = 4) -> None:
         self.url = url
