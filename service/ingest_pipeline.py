@@ -175,5 +175,8 @@ class IngestPipeline:
                     self._error = exc
             return
         if self.on_stored is not None:
-            for page, n in zip(batch, stored, strict=True):
-                self.on_stored(page.job_id, n)
+            try:
+                for page, n in zip(batch, stored, strict=True):
+                    self.on_stored(page.job_id, n)
+            except Exception:  # a counter must not end the thread: wait() would never return
+                logger.exception("ingest pipeline: on_stored failed")

@@ -122,3 +122,24 @@ def test_close_stores_what_was_submitted_then_refuses_more(store: Storage) -> No
 def test_writers_must_be_at_least_one(store: Storage) -> None:
     with pytest.raises(ValueError, match="writers must be >= 1, got 0"):
         IngestPipeline(store, 0)
+
+
+def test_a_failing_stored_callback_neither_stops_the_writer_nor_loses_pages(store: Storage) -> None:
+    def broken(job_id: str, records: int) -> None:
+        raise RuntimeError("counter broke")
+
+    pages = _pages("j1", steps=3)
+    pipeline = IngestPipeline(store, 1, on_stored=broken)
+    waiter = threading.Thread(target=pipeline.wait, daemon=True)
+    try:
+        for page in pages:
+            pipeline.submit("j1", page)
+        # wait() returns only if the writer thread lived on to finish the queue (bounded here:
+        # a dead writer would leave it waiting for ever).
+        waiter.start()
+        waiter.join(timeout=60)
+        assert not waiter.is_alive(), "the writer thread died with the callback"
+    finally:
+        if not waiter.is_alive():
+            pipeline.close()
+    assert store.cursor("j1") == pages[-1].next_seq
