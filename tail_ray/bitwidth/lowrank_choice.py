@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 LOWRANK_MODES = ("off", "auto")
 LOWRANK_TARGETS = ("bits", "budget")
+TRIAL_TIMES_KEPT = 4096  # the latest trials' times a chooser keeps for the benchmarks
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class LowRankChooser:
         self._gen = torch.Generator().manual_seed(int(seed))
         self._layers: dict[str, LayerState] = {}
         self.decision_s = 0.0
+        # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
+        # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
+        self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
@@ -204,6 +209,15 @@ class LowRankChooser:
         ranks = self._affordable(layer)
         if not ranks:
             return math.inf
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._run_trial(layer, compensated, target, ranks)
+        finally:
+            self.trial_times_s.append((time.perf_counter() - wall0, time.thread_time() - cpu0))
+
+    def _run_trial(
+        self, layer: LayerState, compensated: np.ndarray, target: float, ranks: list[int]
+    ) -> float:
         top = ranks[-1]
         m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
         m_sq = float(np.dot(compensated.astype(np.float64), compensated.astype(np.float64)))
