@@ -51,6 +51,7 @@ from tail_ray.bitwidth.lowrank_state import (
     layer_to_state,
     settings_changes,
 )
+from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
 from tail_ray.errors import ConfigError
 
@@ -220,7 +221,12 @@ class LowRankChooser:
     ) -> float:
         top = ranks[-1]
         m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
-        m_sq = float(np.dot(compensated.astype(np.float64), compensated.astype(np.float64)))
+        # ||M||^2 by the project's fixed-order numba sum, not np.dot: numpy's OpenBLAS runs a
+        # dot product of over 10k elements on all its threads, and with the cores busy (the
+        # other ranks, a neighbour) the caller spins on threads that are not running: this line
+        # was most of the trials' fat tail (issue 15: 2-12 ms, LM layers of 16k-65k elements).
+        # Its bits then no longer depend on the BLAS's thread count either.
+        m_sq = float(sum_squares(compensated))
         if not (m_sq > 0 and math.isfinite(m_sq)):
             return math.inf
         q = layer.trial_q

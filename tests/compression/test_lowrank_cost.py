@@ -5,6 +5,7 @@ Speeds are never asserted here (shared machines); the tests pin the mechanisms i
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tail_ray.compression.tail import TailCompressor, TailConfig
@@ -33,3 +34,20 @@ def test_every_trial_records_its_wall_and_cpu_time() -> None:
     (times,) = comp.lowrank.trial_times_s
     wall_s, cpu_s = times
     assert 0 < wall_s < 60 and 0 <= cpu_s < 60
+
+
+def test_a_trial_sums_its_matrix_without_numpys_blas(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """numpy's OpenBLAS threads a dot product above 10k elements; on a busy host the caller
+    spun on threads that were not running (2-12 ms for a 0.5 ms trial). The trial's ||M||^2
+    is the fixed-order numba sum instead: no level-1 BLAS call may run in a trial."""
+
+    def refuse(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a low-rank trial called numpy's BLAS")
+
+    for name in ("dot", "vdot", "inner"):
+        monkeypatch.setattr(np, name, refuse)
+    comp = _tail()
+    for step in range(6):
+        comp.compress({"w": _low_rank_gradient(128, 256, step)})
+    assert comp.lowrank is not None and len(comp.lowrank.trial_times_s) == 1
+    assert comp.lowrank.rank_of("w") > 0
