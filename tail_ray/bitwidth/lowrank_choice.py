@@ -105,6 +105,25 @@ def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return captured, basis
 
 
+_linalg_warm = False  # _warm_linalg ran in this process
+
+
+def _warm_linalg() -> None:
+    """One tiny trial's linear algebra (QR, the float64 Gram product, eigh), once per process.
+
+    A process's first QR and eigh load LAPACK's code. In the benchmark's LM workers the
+    first trial's first power step cost 0.6-4.4 ms of CPU (~0.2 ms later), once 46 ms of
+    wall (code pages not resident on a loaded host), and at step 20, where every layer has
+    its first trial. Fixed inputs and no generator: no later draw, bit or choice changes."""
+    global _linalg_warm
+    if _linalg_warm:
+        return
+    m = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).sin()
+    q = torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8).cos()
+    _captured_energy(power_step(m, q)[1])
+    _linalg_warm = True
+
+
 class LowRankChooser:
     """See the module docstring. One per compressor; state per layer name."""
 
@@ -122,6 +141,8 @@ class LowRankChooser:
         # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
         # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
         self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
+        # Here, at hook set-up, not in the first trial: see _warm_linalg.
+        _warm_linalg()
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
