@@ -172,6 +172,8 @@ class RunResult:
     tail_decision_share_steady: float | None = None
     tail_decision_first_s: float | None = None  # decision time in those first steps (one-time)
     tail_decisions: int | None = None  # estimates made over the run (rank 0)
+    # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
+    tail_trials_ms: dict[str, float] | None = None
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -207,7 +209,23 @@ def _tail_details(
         out["tail_decision_share_steady"] = steady_decision_s / steady_s if steady_s > 0 else 0.0
         out["tail_decision_first_s"] = sum(decision_s[:WARMUP_STEPS_EXCLUDED])
         out["tail_decisions"] = tail.controller.decisions
+        if tail.lowrank is not None and tail.lowrank.trial_times_s:
+            out["tail_trials_ms"] = _trial_times_ms(list(tail.lowrank.trial_times_s))
     return out
+
+
+def _trial_times_ms(times_s: list[tuple[float, float]]) -> dict[str, float]:
+    """Per-trial figures: a share of compress time cannot tell a fat tail from a high median."""
+    wall = [1000 * w for w, _ in times_s]
+    cpu = [1000 * c for _, c in times_s]
+    return {
+        "n": len(wall),
+        "wall_median": statistics.median(wall),
+        "wall_mean": statistics.mean(wall),
+        "wall_max": max(wall),
+        "cpu_mean": statistics.mean(cpu),
+        "cpu_max": max(cpu),
+    }
 
 
 def _train_one(
@@ -444,6 +462,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                             if steady is not None
                             else ""
                         )
+                    )
+                trials = r.get("tail_trials_ms")
+                if trials:
+                    print(
+                        f"  low-rank trials: {trials['n']:.0f}, wall median {trials['wall_median']:.2f} /"
+                        f" mean {trials['wall_mean']:.2f} / max {trials['wall_max']:.2f} ms, thread CPU"
+                        f" mean {trials['cpu_mean']:.2f} / max {trials['cpu_max']:.2f} ms (rank 0)"
                     )
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}

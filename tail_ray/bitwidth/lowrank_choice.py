@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from tail_ray.bitwidth.lowrank_state import (
     layer_to_state,
     settings_changes,
 )
+from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
 from tail_ray.errors import ConfigError
 
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 LOWRANK_MODES = ("off", "auto")
 LOWRANK_TARGETS = ("bits", "budget")
+TRIAL_TIMES_KEPT = 4096  # the latest trials' times a chooser keeps for the benchmarks
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,25 @@ def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return captured, basis
 
 
+_linalg_warm = False  # _warm_linalg ran in this process
+
+
+def _warm_linalg() -> None:
+    """One tiny trial's linear algebra (QR, the float64 Gram product, eigh), once per process.
+
+    A process's first QR and eigh load LAPACK's code. In the benchmark's LM workers the
+    first trial's first power step cost 0.6-4.4 ms of CPU (~0.2 ms later), once 46 ms of
+    wall (code pages not resident on a loaded host), and at step 20, where every layer has
+    its first trial. Fixed inputs and no generator: no later draw, bit or choice changes."""
+    global _linalg_warm
+    if _linalg_warm:
+        return
+    m = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).sin()
+    q = torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8).cos()
+    _captured_energy(power_step(m, q)[1])
+    _linalg_warm = True
+
+
 class LowRankChooser:
     """See the module docstring. One per compressor; state per layer name."""
 
@@ -116,6 +138,11 @@ class LowRankChooser:
         self._gen = torch.Generator().manual_seed(int(seed))
         self._layers: dict[str, LayerState] = {}
         self.decision_s = 0.0
+        # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
+        # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
+        self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
+        # Here, at hook set-up, not in the first trial: see _warm_linalg.
+        _warm_linalg()
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
@@ -204,9 +231,23 @@ class LowRankChooser:
         ranks = self._affordable(layer)
         if not ranks:
             return math.inf
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            return self._run_trial(layer, compensated, target, ranks)
+        finally:
+            self.trial_times_s.append((time.perf_counter() - wall0, time.thread_time() - cpu0))
+
+    def _run_trial(
+        self, layer: LayerState, compensated: np.ndarray, target: float, ranks: list[int]
+    ) -> float:
         top = ranks[-1]
         m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
-        m_sq = float(np.dot(compensated.astype(np.float64), compensated.astype(np.float64)))
+        # ||M||^2 by the project's fixed-order numba sum, not np.dot: numpy's OpenBLAS runs a
+        # dot product of over 10k elements on all its threads, and with the cores busy (the
+        # other ranks, a neighbour) the caller spins on threads that are not running: this line
+        # was most of the trials' fat tail (issue 15: 2-12 ms, LM layers of 16k-65k elements).
+        # Its bits then no longer depend on the BLAS's thread count either.
+        m_sq = float(sum_squares(compensated))
         if not (m_sq > 0 and math.isfinite(m_sq)):
             return math.inf
         q = layer.trial_q

@@ -88,3 +88,15 @@ def test_bench_convergence_runs_the_example_models_as_tasks(tmp_path):
     assert by["resnet18", "none"]["raw_bytes_per_step"] == 4 * resnet_params
     for task in ("gpt2", "resnet18"):
         assert 0 < by[task, "tail"]["bytes_sent_per_step"] < by[task, "none"]["bytes_sent_per_step"]
+
+
+def test_low_rank_trials_are_summarised_per_trial_not_only_as_a_share():
+    # A fat tail (one slow trial) shows in the mean and max, not in the median.
+    times_s = [(0.0005, 0.0004), (0.0006, 0.0005), (0.0300, 0.0050)]
+    summary = bench_convergence._trial_times_ms(times_s)
+    assert summary["n"] == 3
+    assert summary["wall_median"] == pytest.approx(0.6)
+    assert summary["wall_mean"] == pytest.approx(10.3667, abs=1e-3)
+    assert summary["wall_max"] == pytest.approx(30.0)
+    assert summary["cpu_mean"] == pytest.approx(1.9667, abs=1e-3)
+    assert summary["cpu_max"] == pytest.approx(5.0)
