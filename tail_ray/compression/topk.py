@@ -12,6 +12,7 @@ import numpy as np
 
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.records import SparseRecord
 from tail_ray.errors import ConfigError
@@ -50,8 +51,11 @@ class TopKCompressor(RecordCompressor):
         idx = np.argpartition(np.abs(x), x.size - k)[x.size - k :]
         idx.sort()
         values = x[idx]
-        total = float(np.dot(x.astype(np.float64), x.astype(np.float64)))
-        kept = float(np.dot(values.astype(np.float64), values.astype(np.float64)))
+        # The fixed-order sums, not np.dot: OpenBLAS threads a dot over a large layer, and on a
+        # busy host the caller spins waiting for descheduled threads (measured in the low-rank
+        # trials, docs/engine.md "Cost."); its rounding also follows the CPU's BLAS kernel.
+        total = float(sum_squares(x))
+        kept = float(sum_squares(values))
         if self.feedback is not None:
             # residual <- x - sparse(x): zero the sent positions of x (a fresh array), keep the rest.
             x[idx] = 0.0
