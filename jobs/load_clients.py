@@ -31,6 +31,7 @@ class Shape:
     ranks: int
     layers: int
     step_interval_s: float  # one step of every job per interval; 0: no live steps (backlog only)
+    push_rows: bool = True  # push as workers do (columns, ``push_rows``); False: dicts, as before
 
     @property
     def records_per_step(self) -> int:
@@ -83,16 +84,23 @@ def produce(
     ``stop``. Puts (job index, step, last seq of the step, push time) on ``out``."""
     import ray
 
+    from tail_ray.metrics.columns import rows_of
     from tail_ray.metrics.sink import get_or_create_sink
 
     ray.init(address=gcs_address, log_to_driver=False, configure_logging=False)
     sinks = [get_or_create_sink(shape.job_id(j), capacity_records=capacity) for j in range(shape.jobs)]
     templates = [rank_templates(shape, shape.job_id(j)) for j in range(shape.jobs)]
+
+    def push(j: int, rank: int, records: list[dict[str, Any]]) -> Any:
+        # As a worker's MetricsClient does: the batch as columns, or (push_rows=False) as dicts.
+        if shape.push_rows:
+            return sinks[j].push_rows.remote(rows=rows_of(records), rank=rank)
+        return sinks[j].push.remote(records=records, rank=rank)
+
     now = time.time()
     for step in range(backlog_steps):
-        refs = [sinks[j].push.remote(records=step_batch(t, step, now), rank=r)
-                for j in range(shape.jobs) for r, t in enumerate(templates[j])]  # fmt: skip
-        ray.get(refs)
+        ray.get([push(j, r, step_batch(t, step, now))
+                 for j in range(shape.jobs) for r, t in enumerate(templates[j])])  # fmt: skip
     ready.set()
     go.wait()
     step, t0 = backlog_steps, time.monotonic()
@@ -100,8 +108,7 @@ def produce(
         wall = time.time()
         for j in range(shape.jobs):
             for r, t in enumerate(templates[j]):
-                # fire and forget, as workers do
-                sinks[j].push.remote(records=step_batch(t, step, wall), rank=r)
+                push(j, r, step_batch(t, step, wall))  # fire and forget, as workers do
             out.put((j, step, (step + 1) * shape.records_per_step, time.time()))
         step += 1
         time.sleep(max(0.0, t0 + (step - backlog_steps) * shape.step_interval_s - time.monotonic()))

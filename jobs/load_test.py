@@ -235,6 +235,7 @@ def report(args: argparse.Namespace, shape: Shape, stats: RouteStats, watch: Ing
         "backend": parse_storage_url(args.database_url)[0] if args.database_url else args.backend,
         "generator_niceness": args.generator_niceness,
         "source": args.source,
+        "push": args.push,
         "pollers": args.pollers,
         "client": args.client,
         "poll_interval_s": args.poll_interval_s,
@@ -311,7 +312,7 @@ def service_env(args: argparse.Namespace, url: str) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = Shape(args.jobs, args.ranks, args.layers, args.step_interval_s)
+    shape = Shape(args.jobs, args.ranks, args.layers, args.step_interval_s, push_rows=args.push == "rows")
     tmp = Path(tempfile.mkdtemp(prefix="tail-load-"))
     live_steps = int(args.duration_s / args.step_interval_s) + 30 if args.step_interval_s > 0 else 0
     capacity = (args.backlog_steps + live_steps) * shape.records_per_step
@@ -365,7 +366,7 @@ def print_table(out: dict[str, Any]) -> None:
     s, o = out["shape"], out
     lines = [
         f"{s['jobs']} jobs x {s['ranks']} ranks x {s['layers']} layers, a step every"
-        f" {s['step_interval_s']} s; {o['backend']}, source {o['source']}"
+        f" {s['step_interval_s']} s; {o['backend']}, source {o['source']} (push {o['push']})"
         + (f", generator at niceness {o['generator_niceness']}" if o["generator_niceness"] else "")
         + f"; {o['machine']}",
         f"{'route':<10} {'requests':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}",
@@ -428,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--database-url", help="an existing database instead of a fresh one")
     parser.add_argument("--source", choices=("sink", "direct"), default="sink")
+    parser.add_argument(
+        "--push",
+        choices=("rows", "records"),
+        default="rows",
+        help="how the producer pushes to the sinks: rows (columns, as workers' MetricsClient "
+        "does) or records (dicts, as before push_rows)",
+    )
     parser.add_argument("--ingest-interval-s", type=float, default=0.2, help="TAIL_RAY_INGEST_INTERVAL_S")
     parser.add_argument(
         "--service-root", type=Path, default=REPO_ROOT, help="checkout to run the service from"

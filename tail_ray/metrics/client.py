@@ -4,8 +4,11 @@ Training must never wait on metrics. So:
 
 - ``add`` only appends to a bounded local queue (a deque); when it is full the OLDEST record
   is dropped and counted (the newest records are what a live view wants).
-- ``flush`` sends what is queued as one batch with ``sink.push.remote(...)`` and keeps the
-  ObjectRef only to know whether the sink is keeping up. At most ``max_inflight_batches``
+- ``flush`` sends what is queued as one batch with ``sink.push_rows.remote(...)`` (the batch as
+  columns, ``tail_ray.metrics.columns.rows_of``: a sink unpickles a dozen lists where it
+  unpickled thousands of dicts) and keeps the ObjectRef only to know whether the sink is
+  keeping up. A sink of a release without ``push_rows`` (its handle does not list the method)
+  gets ``push(records)``, as before. At most ``max_inflight_batches``
   pushes may be unacknowledged; beyond that ``flush`` leaves the records queued (checked with
   a zero-timeout ``ray.wait``), so a slow or dead sink costs bounded memory, never time.
 - The running drop count travels with every push, so the sink (and the service reading it)
@@ -23,6 +26,8 @@ from typing import Any
 
 import ray
 
+from tail_ray.metrics.columns import rows_of
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_RECORDS = 20_000
@@ -33,8 +38,9 @@ DEFAULT_MAX_INFLIGHT_BATCHES = 4
 class MetricsClient:
     """Queue metric records (plain dicts) and push them in batches to a sink actor.
 
-    ``sink`` is an actor handle with ``push(records, dropped_by_worker, rank)`` (a
-    ``MetricsSink``), or None to count everything as dropped (e.g. the sink could not be found).
+    ``sink`` is an actor handle with ``push_rows(rows, dropped_by_worker, rank)`` (a
+    ``MetricsSink``) or, from older releases, only ``push(records, ...)``; or None to count
+    everything as dropped (e.g. the sink could not be found).
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class MetricsClient:
         self.max_inflight_batches = max_inflight_batches
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._inflight: dict[ray.ObjectRef, int] = {}  # push -> records in it
+        self._columnar = sink is not None and _has_method(sink, "push_rows")
         self.dropped_records = 0
         self.sent_records = 0  # handed to the sink (not necessarily acknowledged yet)
         self.failed_pushes = 0
@@ -92,11 +99,7 @@ class MetricsClient:
             n = min(len(self._queue), self.max_batch_records)
             batch = [self._queue.popleft() for _ in range(n)]
             try:
-                # Keywords: a worker that cannot load the sink's class as it was when the sink
-                # started (another tail-ray version) has a handle that takes keywords only.
-                ref: ray.ObjectRef = self._sink.push.remote(
-                    records=batch, dropped_by_worker=self.dropped_records, rank=self.rank
-                )
+                ref = self._push(batch)
             except Exception as exc:  # a dead actor handle can raise here; never fail training
                 self.failed_pushes += 1
                 self.dropped_records += n
@@ -106,6 +109,20 @@ class MetricsClient:
             self.sent_records += n
             handed += n
         return handed
+
+    def _push(self, batch: list[dict[str, Any]]) -> ray.ObjectRef:
+        # Keywords: a worker that cannot load the sink's class as it was when the sink started
+        # (another tail-ray version) has a handle that takes keywords only.
+        if self._columnar:
+            rows = rows_of(batch)
+            ref: ray.ObjectRef = self._sink.push_rows.remote(  # type: ignore[union-attr]
+                rows=rows, dropped_by_worker=self.dropped_records, rank=self.rank
+            )
+        else:
+            ref = self._sink.push.remote(  # type: ignore[union-attr]
+                records=batch, dropped_by_worker=self.dropped_records, rank=self.rank
+            )
+        return ref
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush everything, waiting at most ``timeout_s`` in total for the sink to take it."""
@@ -139,3 +156,14 @@ class MetricsClient:
                 self.sent_records -= n
                 self.dropped_records += n
                 logger.warning("metrics sink push of %d records failed: %s", n, exc)
+
+
+def _has_method(handle: Any, name: str) -> bool:
+    """Whether an actor handle offers ``name``: a Python actor's handle lists its class's methods
+    (as the actor was made, whatever this process's version of the class) and raises
+    AttributeError for any other."""
+    try:
+        getattr(handle, name)
+    except AttributeError:
+        return False
+    return True

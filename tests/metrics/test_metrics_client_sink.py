@@ -33,7 +33,8 @@ def job_id():
 
 @ray.remote(num_cpus=0)
 class SlowSink:
-    """A sink that takes SLOW_PUSH_S per push: stands in for an overloaded or stuck sink."""
+    """A sink that takes SLOW_PUSH_S per push: stands in for an overloaded or stuck sink. It has
+    ``push`` only, as sinks of releases before ``push_rows`` had: the client falls back to it."""
 
     def __init__(self) -> None:
         self.received: list[dict] = []
@@ -67,10 +68,32 @@ def test_client_delivers_batches_in_order(job_id):
     assert ray.get(sink.stats.remote())["dropped_by_workers"] == 0
 
 
+def test_client_pushes_columns_and_the_sink_gives_back_the_records(job_id):
+    from tests.metrics.test_sink_rows import layer, step_rec
+
+    sink = get_or_create_sink(job_id)
+    client = MetricsClient(sink, rank=0, max_batch_records=100)
+    assert client._columnar  # a sink of this release takes push_rows
+    sent = [rec for step in range(3) for rec in (*(layer(step, 0, i) for i in range(4)), step_rec(step, 0))]
+    sent = [{**r, "job_id": job_id} for r in sent]
+    client.extend(sent)
+    client.close(timeout_s=10)
+    got = read_all(sink)
+    # One push, numbered layers first, then the step records; every field as sent.
+    assert [{k: v for k, v in r.items() if k != "seq"} for r in got] == [
+        *(r for r in sent if r["type"] == "layer"),
+        *(r for r in sent if r["type"] == "step"),
+    ]
+    page = ray.get(sink.read.remote(after_seq=0, limit=100, columnar=True))
+    assert page["count"] == 15 and page["step"]["loss"] == [0.0, 1.0, 2.0]
+    assert page["layer"]["seq"] == list(range(1, 13))
+
+
 def test_full_queue_drops_oldest_counts_and_never_waits():
     slow = SlowSink.remote()
     ray.get(slow.__ray_ready__.remote())
     client = MetricsClient(slow, rank=0, queue_records=10, max_inflight_batches=1)
+    assert not client._columnar  # no push_rows on this sink: records go by push
     client.extend(recs(3))
     client.flush()  # one push in flight; the sink holds it for SLOW_PUSH_S
     assert client.inflight_batches == 1
