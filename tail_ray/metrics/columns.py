@@ -76,7 +76,14 @@ def rows_of(recs: list[Any]) -> dict[str, Any]:
     The sink numbers a pushed batch kind by kind: its layer records, then its step records,
     then the others, each kind in the order given. A step's layer records stay ahead of its
     step record, which is all a reader may rely on within one push."""
-    rows, _positions, _odd_at, odd = _split(recs)
+    rows: dict[str, list[tuple[Any, ...]]] = {kind: [] for kind in KINDS}
+    odd: list[Any] = []
+    for rec in recs:  # the loop of _split without positions: this runs in the training process
+        try:
+            kind = rec["type"]
+            rows[kind].append(_GETTERS[kind](rec))
+        except (KeyError, TypeError):
+            odd.append(rec)
     out: dict[str, Any] = {kind: _transpose(kind, rows[kind]) if rows[kind] else None for kind in KINDS}
     out["records"] = odd
     return out
