@@ -48,9 +48,11 @@ from torch import nn
 from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
 from tail_ray.collective.choice import Collective
 from tail_ray.collective.launch import run_local_group
-from tail_ray.compression.tail import TailCompressor
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.errors import ConfigError
 from tail_ray.runner.datasets import make_dataset
 from tail_ray.runner.models import evaluate, loss_fn, make_model
+from tail_ray.settings import settings_from_mapping
 
 SEED = 0  # the default data / model seed (--seed)
 WORLD_SIZE = 2  # default; --world-size
@@ -562,6 +564,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--tail-variant must be a JSON object: {exc}")
     if any(not isinstance(v, dict) for v in variants):
         parser.error("--tail-variant must be a JSON object of TailConfig settings")
+    for variant in variants:  # a bad setting says so now, not after the runs before its row
+        try:
+            settings_from_mapping(TailConfig, variant, what="--tail-variant")
+        except ConfigError as exc:
+            parser.error(str(exc))
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:

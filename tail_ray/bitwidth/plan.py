@@ -62,10 +62,12 @@ class BitController:
         allocation: str = "layer",
         layer_cap: float = 2.0,
         tau_max: float = 0.5,
+        rounding: str = "stochastic",
     ) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         self.policy = policy
+        self.rounding = rounding  # the quantizer's: the error model follows it
         self.allocation = allocation
         self.layer_cap = layer_cap
         self.tau_max = tau_max
@@ -120,6 +122,7 @@ class BitController:
                 self.candidate_bits,
                 sample_numel=self.sample_numel,
                 rng=self._rng,
+                rounding=self.rounding,
             )
             values = nu.tolist()  # Python floats, the same values: cheaper to compare and keep
             j = self._pick(values, tau)

@@ -1,7 +1,8 @@
 """Closed-form quantization error, estimated without quantizing anything.
 
 For stochastic rounding onto the grid {k * s / L} an element x (f = frac(|x| * L / s)) is
-rounded up with probability f, so its expected squared error is (s / L)^2 * f * (1 - f). Summed
+rounded up with probability f, so its expected squared error is (s / L)^2 * f * (1 - f). Rounded
+to the nearest level (``rounding="nearest"``) its error is exactly (s / L)^2 * min(f, 1 - f)^2. Summed
 over a layer and divided by ||x||^2 this is nu_b, the expected relative quantization error
 E||Q_b(x) - x||^2 / ||x||^2 at b bits.
 
@@ -27,34 +28,41 @@ from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
+from tail_ray.compression.quantize import NEAREST_ON_DEVICE, is_nearest
+from tail_ray.errors import ConfigError
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _frac_term(x, pre, inv):  # type: ignore[no-untyped-def]
+def _frac_term(x, pre, inv, nearest):  # type: ignore[no-untyped-def]
     y = (abs(x) * pre) * inv
     f = y - np.float32(np.int32(y))  # truncation is floor since y >= 0; y <= L + 1
+    if nearest:
+        d = min(f, np.float32(1.0) - f)
+        return d * d
     return f * (np.float32(1.0) - f)
 
 
 @njit(cache=True, nogil=True)
-def _frac_sum(xb, pre, inv, lanes):  # type: ignore[no-untyped-def]
-    """sum f (1 - f), f = frac(|x| * pre * inv), each operation rounded (no fastmath), summed in
-    the fixed lane layout of ``fixedsum``: the same bits on every CPU."""
+def _frac_sum(xb, pre, inv, lanes, nearest):  # type: ignore[no-untyped-def]
+    """sum f (1 - f) (stochastic) or min(f, 1 - f)^2 (nearest), f = frac(|x| * pre * inv), each
+    operation rounded (no fastmath), summed in the fixed lane layout of ``fixedsum``: the same
+    bits on every CPU."""
     lanes[:] = 0
     n = xb.size
     n_full = n - n % LANES
     for lo in range(0, n_full, LANES):
         blk = xb[lo : lo + LANES]
         for j in range(LANES):
-            lanes[j] += _frac_term(blk[j], pre, inv)
+            lanes[j] += _frac_term(blk[j], pre, inv, nearest)
     for i in range(n_full, n):
-        lanes[i - n_full] += _frac_term(xb[i], pre, inv)
+        lanes[i - n_full] += _frac_term(xb[i], pre, inv, nearest)
     return lanes_total(lanes)
 
 
 @njit(cache=True, nogil=True)
-def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # type: ignore[no-untyped-def]
-    """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f); returns (sum of x^2, non-zero buckets).
+def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, nearest):  # type: ignore[no-untyped-def]
+    """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f) (min(f, 1-f)^2 when nearest);
+    returns (sum of x^2, non-zero buckets).
 
     Written as short loops over a bucket-sized scratch (slices, integer max-abs) so that LLVM
     vectorizes each of them; the bucket stays in L1 across the candidates. No fastmath: the
@@ -96,19 +104,19 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num):  # ty
         for j in range(lmaxes.size):
             lf = np.float32(lmaxes[j])
             step = np.float64(m) / np.float64(lf)
-            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes))
+            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes, nearest))
     return lanes_total(sq_lanes), nonzero
 
 
 @njit(cache=True, nogil=True)
-def _sampled_error_sums(g, e, use_e, bucket_size, start, k, nb, lmaxes, num):  # type: ignore[no-untyped-def]
+def _sampled_error_sums(g, e, use_e, bucket_size, start, k, nb, lmaxes, num, nearest):  # type: ignore[no-untyped-def]
     """``_bucket_error_sums`` over the systematic sample (start + i * nb // k) % nb, i < k: the
     ids are made here, in the integer arithmetic numpy used for them (exact), so a decision
     is one compiled call instead of a handful of small numpy ones."""
     ids = np.empty(k, np.int64)
     for i in range(k):
         ids[i] = (start + (i * nb) // k) % nb
-    return _bucket_error_sums(g, e, use_e, bucket_size, ids, lmaxes, num)
+    return _bucket_error_sums(g, e, use_e, bucket_size, ids, lmaxes, num, nearest)
 
 
 @functools.cache
@@ -123,11 +131,15 @@ def bucket_errors(
     bucket_size: int,
     bucket_ids: np.ndarray,
     candidate_bits: tuple[int, ...],
+    rounding: str = "stochastic",
 ) -> tuple[np.ndarray, float, int]:
     """(sum of expected squared errors per candidate bits, sum of squares, non-zero buckets)
     over ``bucket_ids``. The values are those of g + residual (or g alone when residual is None).
     """
+    nearest = is_nearest(rounding)
     if isinstance(g, DeviceFlat):
+        if nearest:
+            raise ConfigError(NEAREST_ON_DEVICE)
         from tail_ray.compression import device_codec
 
         assert residual is None or isinstance(residual, torch.Tensor)
@@ -136,7 +148,7 @@ def bucket_errors(
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g
     den, nonzero = _bucket_error_sums(
-        g, e, residual is not None, bucket_size, bucket_ids, _levels_max_array(candidate_bits), num
+        g, e, residual is not None, bucket_size, bucket_ids, _levels_max_array(candidate_bits), num, nearest
     )
     return num, float(den), int(nonzero)
 
@@ -149,16 +161,18 @@ def _sampled_errors(
     k: int,
     nb: int,
     candidate_bits: tuple[int, ...],
+    rounding: str,
 ) -> tuple[np.ndarray, float, int]:
     """``bucket_errors`` over the systematic sample of k buckets from ``start``."""
     if isinstance(g, DeviceFlat):
         ids = (start + (np.arange(k, dtype=np.int64) * nb) // k) % nb
-        return bucket_errors(g, residual, bucket_size, ids, candidate_bits)
+        return bucket_errors(g, residual, bucket_size, ids, candidate_bits, rounding)
     assert residual is None or isinstance(residual, np.ndarray)
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g
+    lmaxes = _levels_max_array(candidate_bits)
     den, nonzero = _sampled_error_sums(
-        g, e, residual is not None, bucket_size, start, k, nb, _levels_max_array(candidate_bits), num
+        g, e, residual is not None, bucket_size, start, k, nb, lmaxes, num, is_nearest(rounding)
     )
     return num, float(den), int(nonzero)
 
@@ -176,13 +190,16 @@ def relative_errors(
     *,
     sample_numel: int | None,
     rng: np.random.Generator,
+    rounding: str = "stochastic",
 ) -> np.ndarray:
     """Estimated nu_b for each candidate b: exact when ``sample_numel`` is None or covers the
     layer, otherwise from ``ceil(sample_numel / bucket_size)`` whole buckets, evenly spaced from a
-    random start (more when most of those are all-zero)."""
+    random start (more when most of those are all-zero). ``rounding`` is the quantizer's
+    (quantize.ROUNDINGS): the error model follows it."""
     nb = -(-g.size // bucket_size)
     if sample_numel is None or sample_numel >= g.size:
-        num, den, _ = bucket_errors(g, residual, bucket_size, np.arange(nb, dtype=np.int64), candidate_bits)
+        ids = np.arange(nb, dtype=np.int64)
+        num, den, _ = bucket_errors(g, residual, bucket_size, ids, candidate_bits, rounding)
     else:
         # Systematic sample: k buckets evenly spaced from a random start. Every bucket is equally
         # likely to be drawn (so both sums stay unbiased), spread covers the whole layer, and
@@ -191,7 +208,9 @@ def relative_errors(
         k = k0
         while True:
             start = int(rng.integers(nb))
-            num, den, nonzero = _sampled_errors(g, residual, bucket_size, start, k, nb, candidate_bits)
+            num, den, nonzero = _sampled_errors(
+                g, residual, bucket_size, start, k, nb, candidate_bits, rounding
+            )
             if 2 * nonzero >= k0 or k >= nb or k >= _MAX_SAMPLE_GROWTH * k0:
                 break
             k = min(nb, 2 * k)

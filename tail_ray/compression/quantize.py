@@ -1,4 +1,4 @@
-"""Bucketed max-abs stochastic quantization, fused with error feedback.
+"""Bucketed max-abs quantization (stochastic, or to the nearest level), fused with error feedback.
 
 One layer's compensated gradient g' = g + e is split into buckets of ``bucket_size``
 elements; bucket k gets the scale s_k = max |g'| over the bucket, and every element maps to
@@ -6,7 +6,9 @@ a signed integer level in [-L, L], L = 2^(bits-1) - 1, by stochastic rounding:
 
     level = sign(x) * floor(|x| * (L / s) + u),   u ~ U[0, 1)
 
-which is unbiased (E[level * s / L] = x) and never leaves [-L, L]. Decoding is the grid's
+which is unbiased (E[level * s / L] = x) and never leaves [-L, L]. ``rounding="nearest"``
+(issue 15) takes level = sign(x) * floor(|x| * (L / s) + 1/2) instead: deterministic, about half
+the squared error, biased per call (error feedback carries the bias to the next). Decoding is the grid's
 ``float32(level) * step`` with step = s * (1 / L) (tail_ray/compression/grid.py holds L, the
 step and the reference dequantizer), and the new residual is e = g' - that decoded value,
 computed with the very same product: error feedback keeps exactly what the receiver lost.
@@ -53,11 +55,15 @@ from tail_ray.compression.grid import (
     levels_max,
     n_buckets,
 )
+from tail_ray.errors import ConfigError
 
 __all__ = [
+    "NEAREST_ON_DEVICE",
+    "ROUNDINGS",
     "UNIFORM_TABLE",
     "bucket_steps",
     "dequantize",
+    "is_nearest",
     "layer_seed",
     "levels_max",
     "mean_dequantized_into",
@@ -69,6 +75,14 @@ __all__ = [
     "sum_squares",
 ]
 
+# How a value between two levels is rounded: "stochastic" (the default, unbiased) or
+# "nearest" (halves away from zero: about half the error at the same bits, biased per call).
+ROUNDINGS = ("stochastic", "nearest")
+# The Triton kernels (quantizer and the controller's estimate) round stochastically only.
+NEAREST_ON_DEVICE = (
+    "rounding='nearest' runs on the CPU kernels only; the Triton (CUDA) path rounds stochastically: "
+    "use rounding='stochastic' for CUDA gradients"
+)
 _U16 = 1.0 / (1 << 16)
 _TABLE_SIZE = 1 << 16
 _CHUNK = 1024  # elements per random table offset
@@ -130,12 +144,36 @@ def _round_chunk(xb, lb, ub, rot, pre, inv, step, lmax, write_e):  # type: ignor
 
 
 @njit(cache=True, nogil=True)
-def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e):  # type: ignore[no-untyped-def]
-    """Round one bucket of scale m > 0 chunk by chunk; each chunk reads the table at a fresh
-    random offset. ``h`` is the running splitmix64 state; returns (nnz, new state)."""
+def _nearest_chunk(xb, lb, pre, inv, step, lmax, write_e):  # type: ignore[no-untyped-def]
+    """Round xb to the nearest level, halves away from zero: t = (|x| * pre) * inv, each
+    operation rounded; level = sign(x) * min(floor(t) + (t - floor(t) >= 1/2), L). t - floor(t)
+    is exact in float32 (no rounding of t + 1/2, which could carry a t just below a half up),
+    so the level is round-half-away of the float32 t on every CPU. Residual as _round_chunk."""
+    cnt = 0
+    for i in range(xb.size):
+        x = xb[i]
+        t = (abs(x) * pre) * inv
+        q = np.int32(t)  # floor: t >= 0; t < L + 1, no overflow
+        q = q + np.int32(t - np.float32(q) >= np.float32(0.5))
+        q = min(q, lmax)
+        cnt += min(q, np.int32(1))
+        lv = q if x >= 0 else -q
+        lb[i] = np.int8(lv)
+        if write_e:
+            xb[i] = x - np.float32(lv) * step
+    return cnt
+
+
+@njit(cache=True, nogil=True)
+def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e, nearest):  # type: ignore[no-untyped-def]
+    """Round one bucket of scale m > 0: to the nearest level when ``nearest`` (no randomness,
+    ``h`` unchanged), else stochastically chunk by chunk, each chunk reading the table at a
+    fresh random offset. ``h`` is the running splitmix64 state; returns (nnz, new state)."""
     pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
     inv = np.float32(lmax) / (m * pre)
     step = m * inv_l
+    if nearest:
+        return _nearest_chunk(xb, lb, pre, inv, step, lmax, write_e), h
     cnt = 0
     for lo in range(0, xb.size, _CHUNK):
         hi = min(xb.size, lo + _CHUNK)
@@ -152,7 +190,7 @@ def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e):  # type: ignore[no-u
 
 
 @njit(cache=True, nogil=True)
-def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab, nearest):  # type: ignore[no-untyped-def]
     """e <- g + e (saturated at float32's max), quantized bucket by bucket; e ends as the new
     residual. Returns (nnz, ||new residual||^2 in float64). The caller guarantees g is finite.
     """
@@ -178,14 +216,14 @@ def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab)
         if m == 0:
             lb[:] = 0
             continue
-        cnt, h = _round_bucket(eb, lb, tab, h, m, lm, inv_l, True)
+        cnt, h = _round_bucket(eb, lb, tab, h, m, lm, inv_l, True, nearest)
         nnz += cnt
         add_squares(eb, lanes)
     return nnz, lanes_total(lanes)
 
 
 @njit(cache=True, nogil=True)
-def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab, nearest):  # type: ignore[no-untyped-def]
     """Quantize x (left unchanged) into levels and scales. Returns nnz."""
     n = x.size
     nb = (n + bucket_size - 1) // bucket_size
@@ -205,9 +243,16 @@ def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab):  # t
         if m == 0:
             lb[:] = 0
             continue
-        cnt, h = _round_bucket(xb, lb, tab, h, m, lm, inv_l, False)
+        cnt, h = _round_bucket(xb, lb, tab, h, m, lm, inv_l, False, nearest)
         nnz += cnt
     return nnz
+
+
+def is_nearest(rounding: str) -> bool:
+    """Whether ``rounding`` is "nearest"; a ConfigError for anything not in ROUNDINGS."""
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+    return rounding == "nearest"
 
 
 def quantize_finite(
@@ -218,28 +263,42 @@ def quantize_finite(
     seed: int,
     levels: np.ndarray,
     scales: np.ndarray,
+    *,
+    rounding: str = "stochastic",
 ) -> tuple[int, float]:
     """The kernel without the finiteness check, for callers that already ran ``sum_squares(g)``.
 
     Quantizes g (+ residual, which then becomes the new residual) into ``levels``/``scales``
     and returns (non-zero level count, ||new residual||^2), the latter 0.0 without error
     feedback. g MUST be finite (the residual always is: the kernel keeps it so).
+    ``rounding``: "stochastic" (unbiased, uses ``seed``) or "nearest" (halves away from zero,
+    biased per call, ``seed`` unused; error feedback carries the bias to the next call).
     """
     lmax, inv_l = levels_max(bits), inverse_levels_max(bits)
+    near = is_nearest(rounding)
     if residual is None:
-        nnz = _quantize_core(g, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE)
+        nnz = _quantize_core(g, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE, near)
         return int(nnz), 0.0
-    nnz, err = _quantize_ef_core(g, residual, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE)
+    nnz, err = _quantize_ef_core(
+        g, residual, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE, near
+    )
     return int(nnz), float(err)
 
 
 def quantize(
-    x: np.ndarray, bits: int, bucket_size: int, seed: int, levels: np.ndarray, scales: np.ndarray
+    x: np.ndarray,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    levels: np.ndarray,
+    scales: np.ndarray,
+    *,
+    rounding: str = "stochastic",
 ) -> int:
-    """Stochastically quantize ``x`` (no error feedback); fill ``levels``/``scales``; return nnz."""
+    """Quantize ``x`` (no error feedback); fill ``levels``/``scales``; return nnz."""
     if not math.isfinite(float(sum_squares(x))):
         raise ValueError("quantize() needs finite input; send non-finite layers raw")
-    return quantize_finite(x, None, bits, bucket_size, seed, levels, scales)[0]
+    return quantize_finite(x, None, bits, bucket_size, seed, levels, scales, rounding=rounding)[0]
 
 
 def quantize_ef(
@@ -250,6 +309,8 @@ def quantize_ef(
     seed: int,
     levels: np.ndarray,
     scales: np.ndarray,
+    *,
+    rounding: str = "stochastic",
 ) -> tuple[int, float]:
     """Quantize g + residual, writing the new residual (g + residual - decoded) in place.
 
@@ -259,7 +320,7 @@ def quantize_ef(
     ss = float(sum_squares(g))
     if not math.isfinite(ss):
         return -1, ss
-    nnz, _ = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
+    nnz, _ = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales, rounding=rounding)
     return nnz, ss
 
 

@@ -51,7 +51,7 @@ from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.quantize import NEAREST_ON_DEVICE, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
 from tail_ray.compression.records import (
     LayerRecord,
@@ -296,10 +296,13 @@ class RecordCompressor(Compressor):
         return self.feedback.buffer(name, g.size)
 
     def quantize_layer(
-        self, name: str, g: LayerArray, bits: int, bucket_size: int, seed: int
+        self, name: str, g: LayerArray, bits: int, bucket_size: int, seed: int, rounding: str = "stochastic"
     ) -> tuple[QuantRecord, int]:
-        """Stochastic quantization of g + e in one fused pass (Tail's and qsgd's kernel), which
-        also writes the new residual and its norm; returns the record and its non-zero levels."""
+        """Quantization of g + e in one fused pass (Tail's and qsgd's kernel), which also writes
+        the new residual and its norm; returns the record and its non-zero levels. ``rounding``
+        "nearest" runs on the CPU kernel only (a ConfigError for a layer on the Triton path)."""
+        if isinstance(g, DeviceFlat) and rounding != "stochastic":
+            raise ConfigError(NEAREST_ON_DEVICE)
         if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
             _warn_big_bucket(bucket_size)
             g = g.host()  # and its residual moves to the host with it (residual_of below)
@@ -316,7 +319,7 @@ class RecordCompressor(Compressor):
         scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
         residual = self.residual_of(name, g)
         assert residual is None or isinstance(residual, np.ndarray)
-        nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales)
+        nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales, rounding=rounding)
         if self.feedback is not None:
             self.feedback.measured(name, err_sq)
         return QuantRecord(name, bits, bucket_size, scales, levels), int(nnz)

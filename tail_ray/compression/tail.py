@@ -32,7 +32,7 @@ from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
-from tail_ray.compression.quantize import layer_seed, sum_squares
+from tail_ray.compression.quantize import is_nearest, layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord
@@ -56,11 +56,8 @@ class TailConfig:
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
     raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
-        header). 4096 is the project-wide contract; 1024 would also quantize ~1K-element
-        classifier heads (digits_cnn's fc2.weight, 18 % of its payload at 4096): 9.0x ->
-        10.5x on digits over 2 x 5 seeds, within 0.5 pt of none but not no worse than
-        4096 on every seed, so 4096 stays (docs/engine.md, "Payload anatomy and
-        raw_below_numel").
+        header). 4096 is the project-wide contract; 1024 (9.0x -> 10.5x on digits) was not no
+        worse on every seed (docs/engine.md, "Payload anatomy and raw_below_numel").
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
@@ -85,6 +82,8 @@ class TailConfig:
     lowrank_target: what low-rank's measured residual is held to: "bits" (the residual the
         quantizer leaves at the bits the budget picked: the same error, fewer bytes) or
         "budget" (the residual the budget tau itself allows, a looser bound).
+    rounding: "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at
+        the same bits, biased per step; CPU kernels only; docs/engine.md, "Round-to-nearest").
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -111,6 +110,7 @@ class TailConfig:
     lowrank_ranks: tuple[int, ...] = (1, 2, 4, 8, 16)
     lowrank_bits: int = 8
     lowrank_target: str = "bits"
+    rounding: str = "stochastic"
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -154,12 +154,10 @@ class TailConfig:
             raise ConfigError(f"layer_cap must be a finite number >= 1, got {self.layer_cap!r}")
         if self.warmup_steps < 0 or self.critical_steps < 0:
             raise ConfigError("warmup_steps and critical_steps must be >= 0")
-        if self.lowrank not in LOWRANK_MODES:
-            raise ConfigError(f"lowrank must be one of {list(LOWRANK_MODES)}, got {self.lowrank!r}")
-        if self.lowrank_target not in LOWRANK_TARGETS:
-            raise ConfigError(
-                f"lowrank_target must be one of {list(LOWRANK_TARGETS)}, got {self.lowrank_target!r}"
-            )
+        for name, allowed in (("lowrank", LOWRANK_MODES), ("lowrank_target", LOWRANK_TARGETS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        is_nearest(self.rounding)  # a ConfigError naming the choices
         if self.lowrank != "off" and not self.error_feedback:
             raise ConfigError("lowrank needs error_feedback: a low-rank step leaves most of a gradient to it")
         factor_bits = self.lowrank_bits
@@ -211,6 +209,7 @@ class TailCompressor(RecordCompressor):
             allocation=self.config.allocation,
             layer_cap=self.config.layer_cap,
             tau_max=self.config.tau_max,
+            rounding=self.config.rounding,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the
@@ -334,7 +333,7 @@ class TailCompressor(RecordCompressor):
         # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed)
+        record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed, cfg.rounding)
         return CompressedLayer(record, plan.rel_error, nnz)
 
     def second_stage(self) -> TailCompressor:

@@ -85,6 +85,16 @@ def digests() -> dict[str, str]:
             parts += [levels.copy(), scales.copy(), residual.copy(), nnz, err]
         out[f"quantize_ef_{bits}b"] = _digest(parts)
 
+        # Round-to-nearest (issue 15): levels, then three steps of error feedback.
+        near_levels = np.empty(n, np.int8)
+        nnz = quantize(g, bits, 512, 5, near_levels, scales, rounding="nearest")
+        residual = np.zeros(n, np.float32)
+        parts = [near_levels.copy(), scales.copy(), nnz]
+        for step in range(3):
+            nnz, err = quantize_finite(g, residual, bits, 512, 10 + step, levels, scales, rounding="nearest")
+            parts += [levels.copy(), scales.copy(), residual.copy(), nnz, err]
+        out[f"quantize_nearest_{bits}b"] = _digest(parts)
+
     for bits, bucket in ((2, 512), (4, 7), (8, 100), (8, 1000)):
         rng = np.random.default_rng(bits + bucket)
         lmax = (1 << (bits - 1)) - 1
@@ -147,9 +157,36 @@ def digests() -> dict[str, str]:
             relative_errors(g, g * 0.5, 512, (2, 4, 8), sample_numel=4096, rng=np.random.default_rng(0)),
         ],
     )
+    record(
+        "relative_errors_nearest",
+        lambda: [
+            relative_errors(
+                g,
+                None,
+                512,
+                (2, 3, 4, 8),
+                sample_numel=None,
+                rng=np.random.default_rng(0),
+                rounding="nearest",
+            ),
+            relative_errors(
+                g, g * 0.5, 512, (2, 4), sample_numel=4096, rng=np.random.default_rng(0), rounding="nearest"
+            ),
+        ],
+    )
 
     # The whole pipeline: controller, quantizer, error feedback, codes, wire; and decoding.
-    comp = TailCompressor(TailConfig(seed=3))
+    for suffix, rounding in (("", "stochastic"), ("_nearest", "nearest")):
+        payloads, decoded_bits = _tail_steps(TailConfig(seed=3, rounding=rounding))
+        out[f"tail_payloads{suffix}"] = _digest(payloads)
+        out[f"tail_decoded{suffix}"] = _digest(decoded_bits)
+    out["sharded"] = _digest(_sharded_steps())
+    return out
+
+
+def _tail_steps(config: TailConfig) -> tuple[list[np.ndarray | bytes | float | int], ...]:
+    """Three steps of a Tail compressor: its payloads and stats, and every payload decoded."""
+    comp = TailCompressor(config)
     payloads: list[np.ndarray | bytes | float | int] = []
     decoded_bits: list[np.ndarray | bytes | float | int] = []
     rng = np.random.default_rng(4)
@@ -168,10 +205,7 @@ def digests() -> dict[str, str]:
             repr([(s.layer, s.bits, s.density, s.encoded_bytes, s.code) for s in comp.last_stats]).encode()
         ]
         decoded_bits += [t.numpy() for t in TailCompressor().decompress(payload).values()]
-    out["tail_payloads"] = _digest(payloads)
-    out["tail_decoded"] = _digest(decoded_bits)
-    out["sharded"] = _digest(_sharded_steps())
-    return out
+    return payloads, decoded_bits
 
 
 def _sharded_steps() -> list[np.ndarray | bytes | float | int]:

@@ -100,3 +100,13 @@ def test_low_rank_trials_are_summarised_per_trial_not_only_as_a_share():
     assert summary["wall_max"] == pytest.approx(30.0)
     assert summary["cpu_mean"] == pytest.approx(1.9667, abs=1e-3)
     assert summary["cpu_max"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [('{"rounding": "round"}', "rounding must be one of"), ('{"roundng": "nearest"}', "unknown setting")],
+)
+def test_a_bad_tail_variant_is_refused_before_any_run(variant, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_convergence.main(["--tasks", "digits", "--methods", "none", "--tail-variant", variant])
+    assert message in capsys.readouterr().err

@@ -25,6 +25,7 @@ def test_defaults_map_onto_job_config_field_by_field() -> None:
         {"name": "123", "lr": 1e-5, "seed": 7},  # a numeric-looking name stays a string; 1e-5 a float
         {"name": "yes", "method": "none", "min_workers": 1, "max_workers": 3, "optimizer": "adamw"},
         {"method": "powersgd", "compression": {"rank": 2}, "max_failures": -1},
+        {"method": "tail", "compression": {"rounding": "nearest"}},
         # Values that YAML would misread if they were not written as literals (not validated
         # against a method: only the mapping is under test here).
         {"compression": {"bits": 4, "mode": "yes", "scale": 2.5e20, "flag": True}},
@@ -32,7 +33,8 @@ def test_defaults_map_onto_job_config_field_by_field() -> None:
 )
 def test_overrides_round_trip_through_job_config(fields: dict) -> None:
     spec = JobCreate(**fields)
-    cfg = spec.to_job_config(validate="compression" not in fields or fields.get("method") == "powersgd")
+    validate = "compression" not in fields or fields.get("method") in ("powersgd", "tail")
+    cfg = spec.to_job_config(validate=validate)
     for key, value in fields.items():
         got = dict(cfg.compression) if key == "compression" else getattr(cfg, key)
         assert got == value and type(got) is type(value), (key, got, value)
@@ -74,7 +76,13 @@ def test_bad_specs_name_the_field(fields: dict, bad_field: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "compression"), [("tail", {"rank": 2}), ("none", {"bits": 4}), ("powersgd", {"bogus": 1})]
+    ("method", "compression"),
+    [
+        ("tail", {"rank": 2}),
+        ("tail", {"rounding": "round"}),
+        ("none", {"bits": 4}),
+        ("powersgd", {"bogus": 1}),
+    ],
 )
 def test_compression_settings_the_method_rejects_are_a_config_error(method: str, compression: dict) -> None:
     spec = JobCreate(method=method, compression=compression)
