@@ -6,6 +6,7 @@ printed by the script, see docs/operations.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,23 @@ def test_load_test_runs_clean_and_reports_figures() -> None:
     assert out["ingest_records_per_s"] > 0 and out["caught_up_s"] > 0
     assert out["lag_steps"] > 0 and out["lag_p99_s"] >= out["lag_p50_s"] >= 0
     assert out["stream_events"] > 0 and out["stream_delay_p50_ms"] is not None
+
+
+def test_load_test_through_real_sinks_stores_every_record() -> None:
+    """The path the cluster-scale figures come from: a private Ray head, one sink actor per job
+    filled by the producer with columnar pushes (as workers' MetricsClient pushes), the ingest
+    process reading them."""
+    cmd = [
+        sys.executable, "-m", "jobs.load_test", "--jobs", "2", "--ranks", "3", "--layers", "6",
+        "--backlog-steps", "5", "--step-interval-s", "0.5", "--pollers", "3", "--duration-s", "4",
+        "--drain-timeout-s", "60",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["source"] == "sink" and out["push"] == "rows" and out["errors"] == 0
+    per_step = 3 * (6 + 1)
+    assert out["backlog_records"] == 2 * 5 * per_step
+    assert out["records_stored"] >= out["backlog_records"] and out["records_stored"] % per_step == 0
+    assert out["lag_steps"] > 0 and out["ingest_records_per_s"] > 0
