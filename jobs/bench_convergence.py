@@ -174,6 +174,9 @@ class RunResult:
     tail_decision_share_steady: float | None = None
     tail_decision_first_s: float | None = None  # decision time in those first steps (one-time)
     tail_decisions: int | None = None  # estimates made over the run (rank 0)
+    # Rank 0's own encoded payload per step, 2nd half, before padding: an all-gather pads every
+    # payload to the longest rank's, so sent - own is what the other ranks' larger payloads cost.
+    own_bytes_per_step_2nd_half: float | None = None
     # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
     tail_trials_ms: dict[str, float] | None = None
 
@@ -255,6 +258,7 @@ def _train_one(
     drop_step = int(task.lr_drop_at * steps)
     step_s: list[float] = []
     sent: list[int] = []
+    own: list[int] = []  # this rank's encoded payload per step (before padding)
     received = raw = 0
     compress_s: list[float] = []
     comm_s: list[float] = []
@@ -283,6 +287,7 @@ def _train_one(
         step_s.append(time.perf_counter() - start)
         m = state.drain_metrics()
         sent.append(m.bytes_sent)
+        own.append(m.encoded_bytes)
         received += m.bytes_received
         raw += m.raw_bytes
         compress_s.append(m.compress_s)
@@ -330,6 +335,7 @@ def _train_one(
         final_train_loss=loss_value,
         bytes_sent_per_step=sum(sent) / steps,
         bytes_sent_per_step_2nd_half=statistics.mean(sent[steps // 2 :]),
+        own_bytes_per_step_2nd_half=statistics.mean(own[steps // 2 :]),
         bytes_received_per_step=received / steps,
         raw_bytes_per_step=raw / steps,
         step_s=_steady_mean(step_s),
@@ -449,6 +455,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                         for name, ranks in r["tail_lowrank"].items()
                     )
                     print(f"[{r['label']}] sent low-rank (steps per rank, 2nd half): {shown}")
+                own = r.get("own_bytes_per_step_2nd_half")
+                if own:
+                    print(
+                        f"[{r['label']}] rank 0's own payload, 2nd half: {_fmt_bytes(own)} per step of"
+                        f" {_fmt_bytes(r['bytes_sent_per_step_2nd_half'])} sent (the rest: padding to"
+                        " another rank's longer payload, and size words)"
+                    )
                 errs = r.get("tail_rel_error") or []
                 if errs:
                     shown = ", ".join(f"stage {i + 1} {e:.3f}" for i, e in enumerate(errs) if e is not None)
