@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from service.storage.columns import column_rows
 from service.storage.records import BatchRows, batch_rows
 from tail_ray.metrics.records import LAYER_FIELDS, STEP_FIELDS
-from tail_ray.metrics.sink import _Ring, columns_of
+from tail_ray.metrics.sink import MetricsSink, columns_of
 
 
 def layer_record(step: int, rank: int, i: int) -> dict:
@@ -115,17 +115,18 @@ def test_non_finite_and_out_of_range_values_become_null_on_the_fast_path() -> No
 
 
 def test_ring_pages_by_cursor_across_pushes_and_drops() -> None:
-    ring = _Ring(capacity_records=50)
+    sink = MetricsSink.__ray_actor_class__("j", capacity_records=50)  # the actor's class, in process
+    ring = sink._ring
     pushed = []
     rng = random.Random(0)
     for _ in range(30):
         batch = [{"n": len(pushed) + k} for k in range(rng.randint(0, 7))]
         pushed += batch
-        ring.append(batch)
+        sink.push(records=batch)
     assert ring.size == 50 and ring.dropped == len(pushed) - 50
     assert ring.first_seq == len(pushed) - 49 and ring.next_seq == len(pushed) + 1
     for after in (0, ring.first_seq - 1, ring.first_seq + 3, len(pushed) - 1, len(pushed)):
-        seqs, recs = ring.records_after(after, 11)
+        recs = sink.read(after_seq=after, limit=11)["records"]
         want = list(range(max(after + 1, ring.first_seq), len(pushed) + 1))[:11]
-        assert seqs == want
+        assert [r["seq"] for r in recs] == want
         assert [r["n"] for r in recs] == [q - 1 for q in want]
