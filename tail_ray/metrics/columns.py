@@ -50,6 +50,12 @@ def _transpose(kind: str, rows: list[tuple[Any, ...]]) -> dict[str, list[Any]]:
     return dict(zip(FIELDS[kind], map(list, zip(*rows, strict=True)), strict=True))
 
 
+def odd_with_seq(seq: int, rec: Any) -> dict[str, Any]:
+    """A record that fits no kind, as a page carries it: its fields and its ``seq`` (a value
+    that is not a dict goes under ``record``)."""
+    return {"seq": seq, **rec} if isinstance(rec, dict) else {"seq": seq, "record": rec}
+
+
 def columns_of(seqs: list[int] | range, recs: list[Any]) -> dict[str, Any]:
     """The body of a columnar page (``MetricsSink.read(columnar=True)``) for these records:
     ``layer`` / ``step`` map ``seq`` and each field to a list (None when the page has none of
@@ -61,10 +67,7 @@ def columns_of(seqs: list[int] | range, recs: list[Any]) -> dict[str, Any]:
             out[kind] = {"seq": [seqs[i] for i in positions[kind]], **_transpose(kind, rows[kind])}
         else:
             out[kind] = None
-    out["records"] = [
-        {"seq": seqs[i], **rec} if isinstance(rec, dict) else {"seq": seqs[i], "record": rec}
-        for i, rec in zip(odd_at, odd, strict=True)
-    ]
+    out["records"] = [odd_with_seq(seqs[i], rec) for i, rec in zip(odd_at, odd, strict=True)]
     out["count"] = len(recs)
     return out
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from tail_ray.metrics.columns import FIELDS, KINDS, check_rows, columns_of
+from tail_ray.metrics.columns import FIELDS, KINDS, check_rows, columns_of, odd_with_seq
 
 __all__ = [
     "DEFAULT_CAPACITY_RECORDS",
@@ -133,10 +133,7 @@ class _Page:
         self.count += b - a
 
     def add_odd(self, seqs: Iterable[int], recs: list[Any]) -> None:
-        self.odd.extend(
-            {"seq": q, **r} if isinstance(r, dict) else {"seq": q, "record": r}
-            for q, r in zip(seqs, recs, strict=True)
-        )
+        self.odd.extend(odd_with_seq(q, r) for q, r in zip(seqs, recs, strict=True))
         self.count += len(recs)
 
     def add(self, body: dict[str, Any]) -> None:
