@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.jobs.job_run import REPO_ROOT, run_job
 
 
 def test_bench_ingest_stores_every_record_on_both_backends() -> None:
-    cmd = [sys.executable, "-m", "jobs.bench_ingest", "--jobs", "3", "--ranks", "4", "--layers", "10",
-           "--steps", "5", "--page-records", "37"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    _stdout, out = run_job("jobs.bench_ingest", "--jobs", "3", "--ranks", "4", "--layers", "10",
+                           "--steps", "5", "--page-records", "37", timeout_s=240)  # fmt: skip
     per_job = 5 * 4 * (10 + 1)  # steps x ranks x (layers + the step record)
     # Each backend before the writer threads (0) and with its own default (SQLite 1, PostgreSQL 2).
     assert [(r["backend"], r["writers"]) for r in out["results"]] == [

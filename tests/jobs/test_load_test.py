@@ -5,24 +5,18 @@ printed by the script, see docs/operations.md)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.jobs.job_run import run_job
 
 
 def test_load_test_runs_clean_and_reports_figures() -> None:
-    cmd = [
-        sys.executable, "-m", "jobs.load_test", "--source", "direct", "--jobs", "2", "--ranks", "3",
+    _stdout, out = run_job(
+        "jobs.load_test", "--source", "direct", "--jobs", "2", "--ranks", "3",
         "--layers", "8", "--backlog-steps", "20", "--step-interval-s", "0.5", "--pollers", "6",
         "--streams", "2", "--duration-s", "4", "--poll-interval-s", "0.2", "--drain-timeout-s", "20",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        timeout_s=240,
+    )  # fmt: skip
     assert out["errors"] == 0, out["first_errors"]
     assert out["client"] == "lean" and out["client_cpu_cores"] > 0
     # The machine is at least as busy as the parts of it counted (the ingest process is the
@@ -44,15 +38,11 @@ def test_load_test_through_real_sinks_stores_every_record() -> None:
     """The path the cluster-scale figures come from: a private Ray head, one sink actor per job
     filled by the producer with columnar pushes (as workers' MetricsClient pushes), the ingest
     process reading them."""
-    cmd = [
-        sys.executable, "-m", "jobs.load_test", "--jobs", "2", "--ranks", "3", "--layers", "6",
+    _stdout, out = run_job(
+        "jobs.load_test", "--jobs", "2", "--ranks", "3", "--layers", "6",
         "--backlog-steps", "5", "--step-interval-s", "0.5", "--pollers", "3", "--duration-s", "4",
-        "--drain-timeout-s", "60",
-    ]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        "--drain-timeout-s", "60", timeout_s=400, env={**os.environ, "RAY_AUTH_MODE": "token"},
+    )  # fmt: skip
     assert out["source"] == "sink" and out["push"] == "rows" and out["errors"] == 0
     per_step = 3 * (6 + 1)
     assert out["backlog_records"] == 2 * 5 * per_step
