@@ -385,6 +385,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value is opaque: argparse reads `--token -abc` as two options, so a token (one
+# the user chose, in TAIL_RAY_API_TOKEN's format) that begins with '-' could not be passed.
+_OPAQUE_OPTIONS = ("--token", "--url")
+
+
+def _glue_values(argv: list[str]) -> list[str]:
+    """`--token VALUE` -> `--token=VALUE`, whatever VALUE begins with."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in _OPAQUE_OPTIONS:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `submit ... -- python my_train.py --steps 3`: everything after `--` is the job's command.
@@ -392,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command_line = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_glue_values(argv))
     out = args.out = Output()
     if command_line:
         if args.command != "submit":

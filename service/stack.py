@@ -402,9 +402,12 @@ class Stack:
 
 
 def _new_token() -> str:
+    """256 random bits as hex, as Ray's own token. Never base64: one urlsafe token in 64 begins
+    with '-', and `tail-ray --token -abc...` then reads as an unknown option (a fresh-clone CI
+    run failed on exactly that)."""
     import secrets
 
-    return secrets.token_urlsafe(24)
+    return secrets.token_hex(32)
 
 
 def _bind_loopback(port: int | None) -> socket.socket:

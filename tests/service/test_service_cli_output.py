@@ -47,6 +47,10 @@ def test_off_a_terminal_every_line_is_plain(server: LiveServer, capsys: pytest.C
     assert cli.main(["--url", server.url, "--token", "wrong-token-0000000000", "stop", "x"]) == cli.EXIT_API
     err = capsys.readouterr().err
     assert err.startswith("tail-ray: ") and "HTTP 403" in err and err.count("\n") == 1
+    # a token that begins with '-' is still the token's value, not an option (argparse alone
+    # exits 2 on it: "expected one argument"); the service answers 403 to it, not 401
+    assert cli.main(["--url", server.url, "--token", "-wrong-token-000000000", "stop", "x"]) == cli.EXIT_API
+    assert "HTTP 403" in capsys.readouterr().err
     assert ESC not in table + err + "\n".join(lines)
 
     out = io.StringIO()
@@ -94,3 +98,12 @@ def test_on_a_terminal_tables_progress_and_errors_are_rich(server: LiveServer) -
     assert "10/10" in out.getvalue() and "SUCCEEDED" in out.getvalue()
     terminal.error("bad spec [bold]steps[/bold]: must be > 0")  # never read as markup
     assert ESC in err.getvalue() and "[bold]steps[/bold]" in err.getvalue()
+
+
+def test_tokens_that_up_makes_never_read_as_an_option() -> None:
+    from service.stack import _new_token
+
+    # a base64 token begins with '-' once in 64 draws; 2,000 draws catch that all but surely
+    tokens = [_new_token() for _ in range(2000)]
+    assert not [t for t in tokens if t.startswith("-")]
+    assert len(set(tokens)) == len(tokens) and min(map(len, tokens)) >= 43  # >= 256 bits in base64
