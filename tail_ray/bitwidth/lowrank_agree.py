@@ -10,8 +10,8 @@ How: each rank's chooser still decides what it WANTS for a layer from its own M;
 travels in the layer's record (``QuantRecord.want`` / ``LowRankRecord.want``, one byte of the
 layer header). Every rank decodes every rank's payload, so after step t's exchange all ranks
 hold the same wants and apply the same rule (``agreed_rank``, ``TailConfig.lowrank_agree``):
-"all", low-rank iff every rank wants it, or "any", iff some rank does, at the largest wanted
-rank; otherwise quantized. Step t+1 sends that, on every rank. Only integers decoded from the
+"any" (the default), low-rank iff some rank wants it, or "all", iff every rank does, at the
+largest wanted rank; otherwise quantized. Step t+1 sends that, on every rank. Only integers decoded from the
 same payloads go into it, so it is the same on every rank and CPU.
 
 A layer no exchange has shown yet (the first step, a new world after a resize, a peer whose
@@ -36,7 +36,7 @@ AGREEMENT_FORMAT = 1
 AGREE_RULES = ("all", "any")
 
 
-def agreed_rank(wants: Sequence[int], rule: str = "all") -> int:
+def agreed_rank(wants: Sequence[int], rule: str = "any") -> int:
     """The rank every rank sends next (0: quantized), from every rank's want.
 
     "all": low-rank iff every rank wants it, at the largest wanted rank (so no rank's residual
@@ -61,7 +61,7 @@ class RankAgreement:
     of the factors this rank last sent per layer (``sent_q``, cols x the agreed rank: its own
     chooser's keeps its own rank's width)."""
 
-    def __init__(self, rule: str = "all") -> None:
+    def __init__(self, rule: str = "any") -> None:
         if rule not in AGREE_RULES:
             raise ConfigError(f"lowrank_agree must be one of {list(AGREE_RULES)}, got {rule!r}")
         self.rule = rule
