@@ -179,6 +179,12 @@ class RunResult:
     own_bytes_per_step_2nd_half: float | None = None
     # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
     tail_trials_ms: dict[str, float] | None = None
+    # Every rank's own payload per step, 2nd half (rank order), and the second-half steps in
+    # which every rank sent the same layers low-rank at the same ranks (kind and rank agreed).
+    own_bytes_by_rank: list[float] | None = None
+    lowrank_by_rank: list[dict[str, dict[str, int]]] | None = None
+    agreed_steps_2nd_half: int | None = None
+    lowrank_choices: list[str] | None = None  # rank 0's per step (``run`` compares and drops them)
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -243,7 +249,9 @@ def _train_one(
     steps: int,
     collective: str | None,
     seed: int = SEED,
-) -> RunResult | None:
+) -> RunResult | dict[str, Any]:
+    """Rank 0: the run's result; other ranks: their own figures (``peer`` below), which ``run``
+    adds to rank 0's result."""
     model, data = task.build(seed)
     ddp = nn.parallel.DistributedDataParallel(model)
     settings = dict(config or {})
@@ -268,6 +276,7 @@ def _train_one(
     errors: tuple[list[float], list[float]] = ([], [])  # estimated relative error, stage one / two
     bits_history: dict[str, list[int]] = {}
     lowrank_steps: dict[str, Counter] = {}  # layer -> rank -> steps sent low-rank (2nd half)
+    choices: list[str] = []  # per 2nd-half step: the layers sent low-rank and their ranks
     decision_s: list[float] = []  # Tail's controller, per step (rank 0's is reported)
     tail = getattr(state, "compressor", None)
     controller = tail.controller if isinstance(tail, TailCompressor) else None
@@ -300,6 +309,9 @@ def _train_one(
             for layer in m.layers:
                 bits_history.setdefault(layer.layer, []).append(layer.bits)
         if method == "tail" and step >= steps // 2:
+            choices.append(
+                ";".join(sorted(f"{x.layer}={x.code}" for x in m.layers if x.code.startswith("lowrank")))
+            )
             for layer in m.layers:
                 if layer.code.startswith("lowrank"):  # code "lowrank-r<rank>": not a bit-width
                     lowrank_steps.setdefault(layer.layer, Counter())[layer.code.removeprefix("lowrank-")] += 1
@@ -311,8 +323,13 @@ def _train_one(
                     bits_elems_two[layer.bits] += layer.numel
                     errors[1].append(layer.rel_error)
         loss_value = float(loss.detach())
+    peer = {
+        "own": statistics.mean(own[steps // 2 :]),
+        "lowrank": {name: dict(sorted(c.items())) for name, c in lowrank_steps.items()},
+        "choices": choices,
+    }
     if rank != 0:
-        return None
+        return peer
     collective_run = state.collective if isinstance(state, PayloadHookState) else None
     extra = _tail_details(state, bits_elems, compress_s, decision_s) if method == "tail" else {}
     if method == "tail":
@@ -345,6 +362,9 @@ def _train_one(
         world_size=world_size,
         collective=str(collective_run) if collective_run is not None else "allreduce",
         seed=seed,
+        own_bytes_by_rank=[peer["own"]],
+        lowrank_by_rank=[peer["lowrank"]],
+        lowrank_choices=choices,
         **extra,
     )
 
@@ -361,10 +381,24 @@ def _worker(
     results = []
     for task_name, label, method, config, steps in plan:
         res = _train_one(rank, world_size, TASKS[task_name], label, method, config, steps, collective, seed)
-        if res is not None:
-            results.append(asdict(res))
-            # Written after every run, so a crash late in the plan keeps what finished.
-            Path(out_path).write_text(json.dumps(results))
+        results.append(asdict(res) if isinstance(res, RunResult) else res)
+        # Written after every run, so a crash late in the plan keeps what finished; rank r > 0
+        # writes its own figures beside rank 0's results.
+        Path(out_path if rank == 0 else f"{out_path}.rank{rank}").write_text(json.dumps(results))
+
+
+def _merge_peers(results: list[dict[str, Any]], peers: list[list[dict[str, Any]]]) -> None:
+    """Every rank's own bytes and low-rank steps into rank 0's results (plan order), and the
+    second-half steps in which all ranks sent the same layers low-rank at the same ranks."""
+    for i, res in enumerate(results):
+        choices = [res.pop("lowrank_choices", None) or []]
+        for ranks in peers:
+            if i < len(ranks):
+                res["own_bytes_by_rank"].append(ranks[i]["own"])
+                res["lowrank_by_rank"].append(ranks[i]["lowrank"])
+                choices.append(ranks[i]["choices"])
+        if res["method"] == "tail" and len(choices) > 1:
+            res["agreed_steps_2nd_half"] = sum(len(set(step)) == 1 for step in zip(*choices, strict=False))
 
 
 def run(
@@ -389,7 +423,10 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         run_local_group(_worker, world_size, (plan, str(out), collective, seed), timeout_s=timeout_s)
-        return json.loads(out.read_text())
+        results: list[dict[str, Any]] = json.loads(out.read_text())
+        peers = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(1, world_size)]
+        _merge_peers(results, peers)
+        return results
 
 
 def _fmt_bytes(n: float) -> str:
@@ -455,12 +492,25 @@ def print_table(results: list[dict[str, Any]]) -> None:
                         for name, ranks in r["tail_lowrank"].items()
                     )
                     print(f"[{r['label']}] sent low-rank (steps per rank, 2nd half): {shown}")
-                own = r.get("own_bytes_per_step_2nd_half")
+                own = r.get("own_bytes_by_rank") or []
                 if own:
                     print(
-                        f"[{r['label']}] rank 0's own payload, 2nd half: {_fmt_bytes(own)} per step of"
-                        f" {_fmt_bytes(r['bytes_sent_per_step_2nd_half'])} sent (the rest: padding to"
-                        " another rank's longer payload, and size words)"
+                        f"[{r['label']}] own payload per rank, 2nd half: "
+                        + " / ".join(_fmt_bytes(b) for b in own)
+                        + f" per step, {_fmt_bytes(r['bytes_sent_per_step_2nd_half'])} sent by rank 0"
+                        " (the rest: padding to the longest payload, and size words)"
+                    )
+                for k, ranks in enumerate(r.get("lowrank_by_rank") or []):
+                    if k and ranks:
+                        shown = "; ".join(
+                            f"{name} " + ", ".join(f"{rk} x{n}" for rk, n in c.items())
+                            for name, c in ranks.items()
+                        )
+                        print(f"[{r['label']}] rank {k} sent low-rank (steps per rank, 2nd half): {shown}")
+                if r.get("agreed_steps_2nd_half") is not None:
+                    print(
+                        f"[{r['label']}] steps in which every rank sent the same layers low-rank at the same"
+                        f" ranks, 2nd half: {r['agreed_steps_2nd_half']} of {r['steps'] - r['steps'] // 2}"
                     )
                 errs = r.get("tail_rel_error") or []
                 if errs:

@@ -26,8 +26,8 @@ residual ratio can sit well below the quantizer's (digits' fc1 at rank 8: rho 0.
   bit-packed factors (``lowrank.factor_bytes``), then measured. A low-rank layer whose
   measured bytes stop saving ``min_gain / 2`` goes back.
 
-Costs: a trial is ~4 small products (R x (rows + cols) x ...) every 20 steps per matrix
-layer, counted in the controller's ``decision_s``.
+Costs: ~4 small products per trial, in the controller's ``decision_s``. What a rank SENDS is
+the rank every rank agreed on from these wants (lowrank_agree.py).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class LowRankSettings:
 
     def __post_init__(self) -> None:
         ranks = tuple(sorted(int(r) for r in self.ranks))
-        if not ranks or ranks[0] < 1 or len(set(ranks)) != len(ranks) or ranks[-1] > 256:
-            raise ConfigError(f"lowrank_ranks must be distinct integers in 1..256, got {self.ranks!r}")
+        # 255 at most: a record's want is one byte (wire.MAX_WANT)
+        if not ranks or ranks[0] < 1 or len(set(ranks)) != len(ranks) or ranks[-1] > 255:
+            raise ConfigError(f"lowrank_ranks must be distinct integers in 1..255, got {self.ranks!r}")
         object.__setattr__(self, "ranks", ranks)
         if not 2 <= self.bits <= 8:
             raise ConfigError(f"lowrank_bits must be in 2..8, got {self.bits}")
@@ -146,15 +147,24 @@ class LowRankChooser:
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
-        """The layer's current rank (0: quantized)."""
+        """The layer's current rank (0: quantized): what this rank wants to send."""
         layer = self._layers.get(name)
         return layer.rank if layer is not None else 0
 
-    def warm_start(self, name: str) -> torch.Tensor:
-        """The layer's Q to start this step's power iteration from (cols x rank)."""
-        q = self._layers[name].q_warm
-        assert q is not None, f"layer {name!r} is not low-rank"
-        return q
+    def warm_start(self, name: str) -> torch.Tensor | None:
+        """The layer's Q to start its next power iteration from (cols x rank; None: quantized)."""
+        return self._layers[name].q_warm
+
+    def fit_warm(self, q: torch.Tensor | None, cols: int, width: int) -> torch.Tensor:
+        """A warm start of ``width`` columns from ``q``: ``q`` itself, its best directions (a
+        lower rank), or ``q`` and new random ones from this chooser's generator (a higher)."""
+        have = 0 if q is None else q.shape[1]
+        if q is not None and have == width:
+            return q
+        if q is not None and have > width:
+            return _captured_energy(q)[1][:, :width].contiguous()
+        extra = torch.randn(cols, width - have, generator=self._gen)
+        return extra if q is None else torch.cat((q, extra), dim=1).contiguous()
 
     def ranks(self) -> dict[str, int]:
         return {name: layer.rank for name, layer in self._layers.items()}
@@ -292,7 +302,7 @@ class LowRankChooser:
         ``g_sq``), and ||g + e||^2 of the step (``m_sq``: a lower rank's estimate)."""
         t0 = time.perf_counter()
         layer = self._layers[name]
-        layer.q_warm = q_next
+        layer.q_warm = self.fit_warm(q_next, layer.cols, layer.rank)  # sent at an agreed rank
         layer.steps_in_mode += 1
         if g_sq > 0 and math.isfinite(e_sq):
             ratio = e_sq / g_sq
@@ -314,8 +324,7 @@ class LowRankChooser:
             higher = self._affordable(layer, above=layer.rank)
             if higher:
                 r = higher[0]
-                extra = torch.randn(layer.cols, r - layer.rank, generator=self._gen)
-                layer.q_warm = torch.cat((q_next, extra), dim=1).contiguous()
+                layer.q_warm = self.fit_warm(q_next, layer.cols, r)
                 layer.floor = r
                 layer.rank = r
                 layer.steps_in_mode = 0

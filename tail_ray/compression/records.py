@@ -8,6 +8,11 @@ A compressor builds records, the wire encodes them (wire.py) and decodes them ba
     LowRankRecord  a (rows x cols) layer as two quantized factors P (rows x rank) and
                    Q (cols x rank); the layer is P Q^T (lowrank.py reconstructs it)
 
+QuantRecord and LowRankRecord also carry ``want``: the rank the sender's low-rank chooser
+wants for the layer (0: quantize, or no chooser; the layer header's byte after ``bits``,
+docs/wire-format.md). Tail with ``lowrank="auto"`` makes every rank's next choice from all
+ranks' wants (bitwidth/lowrank_agree.py); nothing else reads it.
+
 Each class carries exactly the arrays its kind needs, so code that holds one never checks
 for a missing array: ``match`` on the class (or ``isinstance``) and read the fields. ``kind``
 is the wire's tag (``Kind``), ``numel`` the layer's element count.
@@ -43,6 +48,7 @@ class QuantRecord:
     bucket_size: int
     scales: np.ndarray
     levels: np.ndarray
+    want: int = 0  # the rank the sender's low-rank chooser wants for the layer
 
     @property
     def numel(self) -> int:
@@ -98,6 +104,7 @@ class LowRankRecord:
     p_levels: np.ndarray
     q_scales: np.ndarray
     q_levels: np.ndarray
+    want: int = 0  # the rank the sender's chooser wants next
 
     @property
     def numel(self) -> int:

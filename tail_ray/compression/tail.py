@@ -19,24 +19,28 @@ import logging
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.lowrank_choice import LOWRANK_MODES, LOWRANK_TARGETS, LowRankChooser, LowRankSettings
-from tail_ray.bitwidth.plan import ALLOCATIONS, BitController
-from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
+from tail_ray.bitwidth.lowrank_agree import RankAgreement
+from tail_ray.bitwidth.lowrank_choice import LowRankChooser
+from tail_ray.bitwidth.plan import BitController
+from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
-from tail_ray.compression.quantize import is_nearest, layer_seed, sum_squares
+from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord
+from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
+
+__all__ = ["TailCompressor", "TailConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -47,145 +51,6 @@ _SPREAD_SAMPLE_NUMEL = 16384
 # (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once. An
 # unstable plan (nu ~ 2 at 2 bits) crosses it within ~3-4 steps.
 _RESIDUAL_LIMIT = 8.0
-
-
-@dataclass(frozen=True)
-class TailConfig:
-    """Tail's settings. The defaults are meant to be left alone (no per-model tuning).
-
-    candidate_bits: bit-widths the controller may pick per layer; one value pins it.
-    bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
-    raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
-        header). 4096 is the project-wide contract; 1024 (9.0x -> 10.5x on digits) was not no
-        worse on every seed (docs/engine.md, "Payload anatomy and raw_below_numel").
-    sample_numel: elements the controller samples to estimate the error (None: exact).
-    redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
-        sooner when its gradient norm moved by more than ``norm_drift`` (relative).
-    noise_fraction: tau = noise_fraction * (relative between-worker gradient spread): a
-        worker's compression noise at most a quarter of its SGD noise (the gradient noise
-        the average sees grows by <= 25 %, like a <= 20 % smaller batch). Measured: 1.0
-        (3 bits) cost the char LM +2.2-2.5 % validation loss, 0.35 +1.4-1.7 %, 0.25 (4 bits)
-        +0.2-1.3 %, mean +0.9 % (docs/engine.md).
-    tau_default: tau while no spread is known (world size 1, first step).
-    tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
-    warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical
-        phases in which tau is multiplied by ``critical_factor`` (see bitwidth/policy.py).
-    allocation: "layer" (each layer the smallest b with nu_b <= its tau) or "model" (one
-        budget over the whole model: the numel-weighted mean of nu / tau stays <= 1 at the
-        fewest bytes; see bitwidth/allocate.py).
-    layer_cap: with allocation "model", no layer's nu may exceed layer_cap x its own tau.
-    error_feedback: keep per-layer residuals (off only for ablations).
-    lowrank: "off" (every large layer quantized) or "auto": matrix-shaped layers may be sent
-        as low-rank factors P Q^T instead, chosen per layer by measured residual and bytes
-        (bitwidth/lowrank_choice.py; all-gather only: the sharded exchanges quantize).
-    lowrank_ranks / lowrank_bits: the ranks a layer may take, and the factors' bits.
-    lowrank_target: what low-rank's measured residual is held to: "bits" (the residual the
-        quantizer leaves at the bits the budget picked: the same error, fewer bytes) or
-        "budget" (the residual the budget tau itself allows, a looser bound).
-    rounding: "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at
-        the same bits, biased per step; CPU kernels only; docs/engine.md, "Round-to-nearest").
-    seed: base of the stochastic-rounding hash; None draws a random one per instance, so
-        workers' rounding noise is independent (as averaging needs).
-    """
-
-    candidate_bits: tuple[int, ...] = (2, 3, 4, 5, 6, 8)
-    bucket_size: int = 512
-    raw_below_numel: int = 4096
-    sample_numel: int | None = 4096
-    redecide_every_steps: int = 20
-    norm_drift: float = 1.0
-    noise_fraction: float = 0.25
-    tau_default: float = 0.25
-    tau_min: float = 1e-3
-    tau_max: float = 0.5
-    warmup_steps: int = 20
-    critical_factor: float = 0.5
-    critical_steps: int = 50
-    lr_drop_ratio: float = 0.8
-    norm_jump: float = 2.0
-    allocation: str = "layer"
-    layer_cap: float = 2.0
-    error_feedback: bool = True
-    lowrank: str = "off"
-    lowrank_ranks: tuple[int, ...] = (1, 2, 4, 8, 16)
-    lowrank_bits: int = 8
-    lowrank_target: str = "bits"
-    rounding: str = "stochastic"
-    seed: int | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        bits = tuple(int(b) for b in self.candidate_bits)
-        if not bits or any(not 2 <= b <= 8 for b in bits) or len(set(bits)) != len(bits):
-            raise ConfigError(
-                f"candidate_bits must be distinct integers in 2..8, got {self.candidate_bits!r}"
-            )
-        object.__setattr__(self, "candidate_bits", tuple(sorted(bits)))
-        if not 1 <= self.bucket_size <= 1 << 20:
-            raise ConfigError(f"bucket_size must be in 1..{1 << 20}, got {self.bucket_size}")
-        if self.raw_below_numel < 0:
-            raise ConfigError(f"raw_below_numel must be >= 0, got {self.raw_below_numel}")
-        if self.sample_numel is not None and self.sample_numel < 1:
-            raise ConfigError(f"sample_numel must be >= 1 or None (exact), got {self.sample_numel}")
-        if self.redecide_every_steps < 1:
-            raise ConfigError(f"redecide_every_steps must be >= 1, got {self.redecide_every_steps}")
-        for name in ("norm_drift", "noise_fraction", "tau_default", "tau_min", "tau_max"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"{name} must be a positive finite number, got {v!r}")
-        if self.tau_min > self.tau_max:
-            raise ConfigError(f"tau_min ({self.tau_min}) must not exceed tau_max ({self.tau_max})")
-        if self.error_feedback and self.tau_max >= 1:
-            # e' = (g + e) - Q(g + e) has ||e'||^2 = nu (||g||^2 + ||e||^2): the residual only
-            # stays bounded (at nu / (1 - nu) ||g||^2) when nu < 1.
-            raise ConfigError(
-                f"tau_max must be < 1 with error feedback (the residual diverges), got {self.tau_max}"
-            )
-        if not 0 < self.critical_factor <= 1:
-            raise ConfigError(f"critical_factor must be in (0, 1], got {self.critical_factor}")
-        if not 0 < self.lr_drop_ratio < 1:
-            raise ConfigError(f"lr_drop_ratio must be in (0, 1), got {self.lr_drop_ratio}")
-        if self.norm_jump <= 1:
-            raise ConfigError(f"norm_jump must be > 1, got {self.norm_jump}")
-        if self.allocation not in ALLOCATIONS:
-            raise ConfigError(f"allocation must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
-        if not (
-            isinstance(self.layer_cap, int | float) and math.isfinite(self.layer_cap) and self.layer_cap >= 1
-        ):
-            raise ConfigError(f"layer_cap must be a finite number >= 1, got {self.layer_cap!r}")
-        if self.warmup_steps < 0 or self.critical_steps < 0:
-            raise ConfigError("warmup_steps and critical_steps must be >= 0")
-        for name, allowed in (("lowrank", LOWRANK_MODES), ("lowrank_target", LOWRANK_TARGETS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        is_nearest(self.rounding)  # a ConfigError naming the choices
-        if self.lowrank != "off" and not self.error_feedback:
-            raise ConfigError("lowrank needs error_feedback: a low-rank step leaves most of a gradient to it")
-        factor_bits = self.lowrank_bits
-        if not (isinstance(factor_bits, int | float) and float(factor_bits).is_integer()):
-            raise ConfigError(f"lowrank_bits must be an integer in 2..8, got {factor_bits!r}")
-        object.__setattr__(self, "lowrank_bits", int(factor_bits))  # YAML / --set may give 8.0
-        object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
-
-    def lowrank_settings(self) -> LowRankSettings:
-        return LowRankSettings(
-            ranks=tuple(self.lowrank_ranks),
-            bits=self.lowrank_bits,
-            trial_every_steps=self.redecide_every_steps,
-            start_step=self.warmup_steps,
-        )
-
-    def budget_settings(self) -> BudgetSettings:
-        return BudgetSettings(
-            noise_fraction=self.noise_fraction,
-            tau_default=self.tau_default,
-            tau_min=self.tau_min,
-            tau_max=self.tau_max,
-            warmup_steps=self.warmup_steps,
-            critical_factor=self.critical_factor,
-            critical_steps=self.critical_steps,
-            lr_drop_ratio=self.lr_drop_ratio,
-            norm_jump=self.norm_jump,
-        )
 
 
 class TailCompressor(RecordCompressor):
@@ -225,6 +90,8 @@ class TailCompressor(RecordCompressor):
         # Low-rank as a second way to send a matrix layer (None: off). Off for the sharded
         # exchanges (a product of factors has no element slices) and second stages.
         self.lowrank: LowRankChooser | None = None
+        # What every rank sends, agreed from every rank's wants (bitwidth/lowrank_agree.py).
+        self.agreement = RankAgreement(self.config.lowrank_agree)
         if self.config.lowrank == "auto":
             self.lowrank = LowRankChooser(
                 self.config.lowrank_settings(),
@@ -283,13 +150,20 @@ class TailCompressor(RecordCompressor):
             return None
         spent = chooser.decision_s
         compensated = feedback.compensate(name, g) if chooser.needs_trial(name, step) else None
-        rank = chooser.choose(name, shape, compensated, nu_quant, step)
+        want = chooser.choose(name, shape, compensated, nu_quant, step)
         self.controller.decision_s += chooser.decision_s - spent
-        if rank == 0:
+        # Sent: the rank every rank agreed on from the last exchange's wants (this rank's own
+        # want before any exchange); quantized if it is not a rank this layer can take.
+        rank = self.agreement.rank(name, want)
+        if rank not in chooser.settings.ranks or rank > max_rank(*shape):
+            self.agreement.sent_q.pop(name, None)
             return None
         if compensated is None:
             compensated = feedback.compensate(name, g)
-        q_warm = chooser.warm_start(name)
+        sent_q = self.agreement.sent_q.get(name)
+        own_q = chooser.warm_start(name)
+        base = sent_q if sent_q is not None and (own_q is None or own_q.shape[1] != rank) else own_q
+        q_warm = chooser.fit_warm(base, shape[1], rank)
         rec, q_next, recon = compress_lowrank(
             name,
             compensated,
@@ -305,8 +179,14 @@ class TailCompressor(RecordCompressor):
         e_sq = feedback.norm_sq(name)
         m_sq = float(sum_squares(compensated))
         spent = chooser.decision_s
-        chooser.observe_lowrank(name, q_next, e_sq=e_sq, g_sq=sum_sq, m_sq=m_sq, nu_quant=nu_quant, step=step)
+        if want:  # else sent at a rank only others wanted ("any"): this chooser stays quantized
+            chooser.observe_lowrank(
+                name, q_next, e_sq=e_sq, g_sq=sum_sq, m_sq=m_sq, nu_quant=nu_quant, step=step
+            )
         self.controller.decision_s += chooser.decision_s - spent
+        if self.agreement.agreed is not None:
+            self.agreement.sent_q[name] = q_next
+        rec = replace(rec, want=chooser.rank_of(name))  # what it wants after this step
         return CompressedLayer(rec, e_sq / m_sq if m_sq > 0 else 0.0)
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
@@ -334,6 +214,8 @@ class TailCompressor(RecordCompressor):
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
         record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed, cfg.rounding)
+        if self.lowrank is not None and self.lowrank.rank_of(name):
+            record = replace(record, want=self.lowrank.rank_of(name))
         return CompressedLayer(record, plan.rel_error, nnz)
 
     def second_stage(self) -> TailCompressor:
@@ -361,6 +243,8 @@ class TailCompressor(RecordCompressor):
         a proxy for every worker's), over the workers' mean ||d_i||^2 less that same
         compression part: the relative SGD noise (see BudgetPolicy.relative_noise).
         """
+        if self.lowrank is not None:
+            self.agreement.observe(records_by_rank)  # the next step's low-rank choices
         world = len(records_by_rank)
         if world < 2:
             return
@@ -415,14 +299,16 @@ class TailCompressor(RecordCompressor):
     def state_dict(self) -> dict[str, Any]:
         """Controller state, the low-rank chooser's, and residuals, keyed by layer name.
 
-        Format 2 (format 1 plus ``lowrank``: ``LowRankChooser.state_dict()``, None when this
-        compressor has no chooser: lowrank off, or a sharded exchange / second stage)."""
+        Format 3: format 1 plus ``lowrank`` (``LowRankChooser.state_dict()``, None when this
+        compressor has no chooser: lowrank off, or a sharded exchange / second stage; format 2)
+        and ``lowrank_agreement`` (``RankAgreement.state_dict()``: the next step's agreed ranks)."""
         return {
-            "format": 2,
+            "format": 3,
             "config": asdict(self.config),
             "layer_steps": dict(self._layer_steps),
             "controller": self.controller.state_dict(),
             "lowrank": self.lowrank.state_dict() if self.lowrank is not None else None,
+            "lowrank_agreement": self.agreement.state_dict(),
             **super().state_dict(),
         }
 
@@ -433,13 +319,18 @@ class TailCompressor(RecordCompressor):
         The low-rank chooser's state (format 2) goes to ``LowRankChooser.load_state_dict``
         (other settings: a warning, the layers re-trial). Format 1, or a state saved with
         lowrank off, starts the chooser fresh; with lowrank off here a saved chooser state is
-        ignored, and the quantizer sends its layers' restored residuals (nothing is lost)."""
+        ignored, and the quantizer sends its layers' restored residuals (nothing is lost).
+        The agreed ranks (format 3) are restored with the residuals (the same workers go on);
+        on a resize, or from format 1 / 2, every layer is quantized until its first exchange."""
         fmt = state["format"]
-        if fmt not in (1, 2):
-            raise ConfigError(f"unsupported TailCompressor state format {fmt!r}, this build reads 1 and 2")
+        if fmt not in (1, 2, 3):
+            raise ConfigError(f"unsupported TailCompressor state format {fmt!r}, this build reads 1 to 3")
         self._layer_steps = {str(k): int(v) for k, v in dict(state["layer_steps"]).items()}
         self.controller.load_state_dict(state["controller"])
-        self._load_lowrank(state["lowrank"] if fmt == 2 else None)
+        self._load_lowrank(state["lowrank"] if fmt >= 2 else None)
+        self.agreement.reset()
+        if fmt == 3 and residuals:
+            self.agreement.load_state_dict(state["lowrank_agreement"])
         super().load_state_dict(state, residuals=residuals)
 
     def _load_lowrank(self, saved: Mapping[str, Any] | None) -> None:

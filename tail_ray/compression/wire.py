@@ -7,7 +7,7 @@ cheapest code per layer and decodes a body by looking its code id up. docs/wire-
 has the full layout; in short (all little-endian, varint = unsigned LEB128):
 
     header   magic b"TAIL" | version u8 (=3) | flags u8 | reserved u16 | n_layers u32
-    layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | varint numel
+    layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | want u8 | varint numel
              | varint bucket_size | varint n_scales | varint nnz | varint body_len
              | scales f32[n_scales] | body u8[body_len]
     trailer  crc32 u32 of everything before it
@@ -18,6 +18,10 @@ well-formed payload that decodes to wrong numbers (measured: 9 of 300 random sin
 flips got through version 2). CRC32 detects every burst of up to 32 bits, so a corrupted
 payload raises ``CodecError(field="checksum")`` instead of silently poisoning the average.
 
+``want`` (the byte that was reserved, 0, before it) is the rank the sender's low-rank chooser
+wants for a QUANT or LOWRANK layer (records.py); 0 on every other kind, checked. A payload
+written before it has 0 there and decodes as it did ("wants nothing": quantize).
+
 RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
 container never inspects float values. QUANT scales are float32 and pass through the same way.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,7 +57,8 @@ _HEADER = struct.Struct("<4sBBHI")
 _CHECKSUM = struct.Struct("<I")
 # Bytes of a payload that belong to no layer: the header and the checksum trailer.
 PAYLOAD_OVERHEAD_BYTES = _HEADER.size + _CHECKSUM.size
-_LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, reserved
+_LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, want (QUANT / LOWRANK; else 0)
+MAX_WANT = 255  # a rank the sender's low-rank chooser wants: one byte
 _NAME_LEN = struct.Struct("<H")
 
 # Sane upper bounds checked before any allocation: a corrupted length must never make the
@@ -120,12 +125,16 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
         if exc.layer is not None:
             raise
         raise CodecError(exc.message, layer=rec.name, field=exc.field) from None
-    bits, bucket = (rec.bits, rec.bucket_size) if isinstance(rec, QuantRecord | LowRankRecord) else (0, 0)
+    bits, bucket, want = (0, 0, 0)
+    if isinstance(rec, QuantRecord | LowRankRecord):
+        bits, bucket, want = rec.bits, rec.bucket_size, rec.want
+    if not 0 <= want <= MAX_WANT:
+        raise CodecError(f"want {want} outside [0, {MAX_WANT}]", layer=rec.name, field="want")
     head = b"".join(
         (
             _NAME_LEN.pack(len(name)),
             name,
-            _LAYER_FIXED.pack(int(rec.kind), int(code), bits, 0),
+            _LAYER_FIXED.pack(int(rec.kind), int(code), bits, want),
             varint(rec.numel),
             varint(bucket),
             varint(scales.size),
@@ -231,14 +240,14 @@ def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales:
 
 def _read_layer(
     buf: np.ndarray, pos: int, where: str, max_numel: int, numel_before: int
-) -> tuple[LayerHeader, int, np.ndarray, int]:
-    """One layer's header, code id and body (a view); the end position. ``max_numel`` bounds
-    the layer, and the payload with ``numel_before`` (the layers before it)."""
+) -> tuple[LayerHeader, int, np.ndarray, int, int]:
+    """One layer's header, code id and body (a view), the end position, and its ``want`` byte.
+    ``max_numel`` bounds the layer, and the payload with ``numel_before`` (the layers before it)."""
     size = int(buf.size)
     name, pos = _read_name(buf, pos, where)
     if pos + _LAYER_FIXED.size > size:
         raise CodecError("truncated layer header", layer=name, field="layer_header")
-    kind_v, code, bits, _r = _LAYER_FIXED.unpack(buf[pos : pos + _LAYER_FIXED.size].tobytes())
+    kind_v, code, bits, want = _LAYER_FIXED.unpack(buf[pos : pos + _LAYER_FIXED.size].tobytes())
     pos += _LAYER_FIXED.size
     numel, pos = read_varint(buf, pos, size, layer=name, field="numel")
     bucket, pos = read_varint(buf, pos, size, layer=name, field="bucket_size")
@@ -262,8 +271,10 @@ def _read_layer(
             f"body_len {body_len} exceeds the {size - pos} bytes left", layer=name, field="body_len"
         )
     _check_kind_fields(kind, bits, bucket, numel, n_scales, name=name)
+    if want and kind not in (Kind.QUANT, Kind.LOWRANK):
+        raise CodecError(f"{kind.name} layer carries want {want}", layer=name, field="want")
     head = LayerHeader(name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32))
-    return head, code, buf[pos : pos + body_len], pos + body_len
+    return head, code, buf[pos : pos + body_len], pos + body_len, want
 
 
 def decode_payload(
@@ -280,9 +291,11 @@ def decode_payload(
     total_numel = 0
     out: list[LayerRecord] = []
     for i in range(n_layers):
-        head, code, body, pos = _read_layer(buf, pos, f"#{i}", max_numel, total_numel)
+        head, code, body, pos, want = _read_layer(buf, pos, f"#{i}", max_numel, total_numel)
         total_numel += head.numel
         rec = codes.decoder(code, head.kind, layer=head.name).decode(body, head)
+        if want and isinstance(rec, QuantRecord | LowRankRecord):
+            rec = replace(rec, want=want)
         if rec.numel != head.numel:  # a code's own bug, never the payload's: say so, do not pass it on
             raise CodecError(
                 f"code {code} decoded {rec.numel} elements of {head.numel}", layer=head.name, field="code"

@@ -71,7 +71,7 @@ def _trained(steps: int) -> TailCompressor:
 def test_a_restored_compressor_continues_bit_for_bit() -> None:
     original = _trained(12)
     state = _through_disk(original.state_dict())
-    assert state["format"] == 2
+    assert state["format"] == 3
     restored = _tail()
     restored.load_state_dict(state)
     assert restored.lowrank is not None and restored.lowrank.ranks() == original.lowrank.ranks()  # type: ignore[union-attr]
@@ -179,5 +179,5 @@ def test_what_is_not_a_chooser_state_is_a_config_error() -> None:
         comp.lowrank.load_state_dict({"format": 99})
     with pytest.raises(ConfigError, match="incomplete"):
         comp.lowrank.load_state_dict({"format": 1, "settings": {}})
-    with pytest.raises(ConfigError, match="format 3"):
-        comp.load_state_dict({**comp.state_dict(), "format": 3})
+    with pytest.raises(ConfigError, match="format 4"):
+        comp.load_state_dict({**comp.state_dict(), "format": 4})

@@ -1,0 +1,184 @@
+"""One low-rank choice for every rank (bitwidth/lowrank_agree.py), through two simulated ranks.
+
+Two TailCompressors with ``lowrank="auto"`` stand for two workers: each compresses its own
+gradients, then each aggregates both payloads (own=its rank), as the all-gather hook does. Their
+gradients differ on purpose, so their choosers want different things at some steps; what they
+SEND must still be the same kind and rank per layer at every step after the first exchange, and
+each rank's residual must stay exactly M minus what the receivers reconstruct.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tail_ray.bitwidth.lowrank_agree import agreed_rank
+from tail_ray.compression.lowrank import reconstruct
+from tail_ray.compression.records import LowRankRecord, QuantRecord, RawRecord
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.compression.wire import decode_payload, encode_payload
+from tail_ray.errors import CodecError, ConfigError
+
+STEPS = 40
+_BASIS = torch.Generator().manual_seed(2024)
+_U, _V = torch.randn(128, 6, generator=_BASIS), torch.randn(256, 6, generator=_BASIS)
+
+
+def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """Rank 0: a rank-2 matrix plus a little noise all along (its chooser wants rank 2 or 4).
+    Rank 1: the same until step 12, then rank 6 (it wants a higher rank) until 22, then
+    full-rank noise (it wants the quantizer) until 30, then rank 2 again. Plus a full-rank
+    layer (quantized everywhere) and a bias (raw)."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    k = 6 if rank == 1 and 12 <= step < 22 else 2
+    coeff = 1.0 + 0.1 * torch.randn(k, generator=gen)
+    w = (_U[:, :k] * coeff) @ _V[:, :k].T + 0.01 * torch.randn(128, 256, generator=gen)
+    if rank == 1 and 22 <= step < 30:
+        w = torch.randn(128, 256, generator=gen)
+    return {"w": w, "full": torch.randn(64, 512, generator=gen), "bias": torch.randn(64, generator=gen)}
+
+
+def _pair(agree: str = "all") -> list[TailCompressor]:
+    settings: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
+    return [TailCompressor(TailConfig(**settings, lowrank_agree=agree, seed=7 + r)) for r in range(2)]
+
+
+def _sent(payload: bytes) -> dict[str, tuple[str, int]]:
+    """What a payload sends per layer: its kind and low-rank rank (0: not low-rank)."""
+    return {
+        rec.name: (type(rec).__name__, rec.rank if isinstance(rec, LowRankRecord) else 0)
+        for rec in decode_payload(payload)
+    }
+
+
+def _run(comps: list[TailCompressor], *, alone: bool = False) -> list[list[bytes]]:
+    """STEPS steps of both ranks, each aggregating both payloads; ``alone``: every rank sends
+    its own chooser's choice (the agreement forgotten after each exchange: the choice before
+    agreement existed, with the same budget from the peers). Checks every rank's residual of
+    a low-rank layer against the decoded reconstruction, bit for bit."""
+    steps = []
+    for step in range(STEPS):
+        payloads = []
+        for rank, comp in enumerate(comps):
+            grads = _grads(rank, step)
+            assert comp.feedback is not None
+            e_before = comp.feedback.buffer("w", 128 * 256).copy() if "w" in comp.feedback else 0
+            payload = comp.compress(grads)
+            rec = next(r for r in decode_payload(payload) if r.name == "w")
+            if isinstance(rec, LowRankRecord):
+                m = (grads["w"].reshape(-1).numpy() + e_before).astype(np.float32)
+                assert np.array_equal(comp.feedback.buffer("w", rec.numel), m - reconstruct(rec)), step
+            payloads.append(payload)
+        for rank, comp in enumerate(comps):
+            into = {name: torch.zeros_like(t) for name, t in _grads(rank, step).items()}
+            comp.aggregate(payloads, into, own=rank)
+            if alone:
+                comp.agreement.agreed = None
+        steps.append(payloads)
+    return steps
+
+
+def _wants(payload: bytes) -> int:
+    rec = next(r for r in decode_payload(payload) if r.name == "w")
+    assert isinstance(rec, QuantRecord | LowRankRecord)
+    return rec.want
+
+
+@pytest.mark.parametrize("agree", ["all", "any"])
+def test_two_ranks_with_different_gradients_send_the_same_kind_and_rank_every_step(agree: str) -> None:
+    steps = _run(_pair(agree))
+    for step, (p0, p1) in enumerate(steps):
+        assert _sent(p0) == _sent(p1), f"step {step}: rank 0 sent {_sent(p0)}, rank 1 {_sent(p1)}"
+    # The test is worth something only if the ranks wanted different things at some steps,
+    # and low-rank was really sent.
+    wants = [(_wants(p0), _wants(p1)) for p0, p1 in steps]
+    assert any(w0 != w1 for w0, w1 in wants), wants
+    assert any(w0 > 0 and w1 == 0 for w0, w1 in wants), wants  # rank 1 wanted the quantizer
+    lowrank_steps = sum(_sent(p0)["w"][0] == "LowRankRecord" for p0, _ in steps)
+    assert lowrank_steps >= 4, lowrank_steps
+    # Each step sends what the previous step's wants agreed on, under the configured rule.
+    for step in range(1, STEPS):
+        _kind, rank = _sent(steps[step][0])["w"]
+        assert rank == agreed_rank(list(wants[step - 1]), agree), (step, wants[step - 1], rank)
+
+
+def _padded(steps: list[list[bytes]]) -> int:
+    """Bytes the all-gather carries: every payload padded to the longest, each step."""
+    return sum(max(len(p) for p in payloads) for payloads in steps)
+
+
+def test_agreement_any_shrinks_the_padded_all_gather_against_each_rank_deciding_alone() -> None:
+    alone = _run(_pair(), alone=True)
+    # Alone, the ranks did send different kinds at some steps (what agreement removes).
+    assert any(_sent(p0)["w"] != _sent(p1)["w"] for p0, p1 in alone)
+    # "any": low-rank whenever one rank wants it, so the padded step is a low-rank one
+    # (measured: 850,173 against 1,042,605 bytes over the 40 steps).
+    agreed_any = _run(_pair("any"))
+    assert _padded(agreed_any) < 0.9 * _padded(alone), (_padded(agreed_any), _padded(alone))
+    # "all" is not asserted to shrink it: for the same wants, every rank's agreed payload is at
+    # least its own choice (quantized if any rank wants that; else the largest wanted rank), so
+    # a padded step is never shorter; here it was 1,065,849 (docs/engine.md, "Agreed low-rank
+    # choice").
+
+
+def test_the_first_step_and_a_resize_quantize_and_a_restart_continues() -> None:
+    comps = _pair("any")
+    steps = _run(comps)
+    assert comps[0].agreement.agreed is not None and comps[0].agreement.agreed["w"] > 0
+    state = comps[0].state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    same, resized = _pair("any")[0], _pair("any")[0]
+    same.load_state_dict(state)
+    resized.load_state_dict(state, residuals=False)
+    assert same.agreement.agreed == comps[0].agreement.agreed
+    grads = _grads(0, STEPS)
+    assert same.compress(grads) == comps[0].compress(grads)  # the same workers go on exactly
+    assert resized.agreement.agreed == {}
+    assert _sent(resized.compress(grads))["w"] == ("QuantRecord", 0)  # a new world: quantized
+    assert _sent(steps[0][0])["w"] == ("QuantRecord", 0)
+
+
+def test_the_want_byte_round_trips_and_is_checked() -> None:
+    levels = np.zeros(1024, dtype=np.int8)
+    quant = QuantRecord("q", 4, 512, np.ones(2, dtype=np.float32), levels, want=16)
+    raw = RawRecord("b", np.ones(8, dtype=np.float32))
+    payload, _ = encode_payload([quant, raw])
+    q, b = decode_payload(payload)
+    assert isinstance(q, QuantRecord) and q.want == 16 and isinstance(b, RawRecord)
+    # A payload without wants (every one before them) is the same bytes as before: want 0.
+    scales = np.ones(2, dtype=np.float32)
+    old, _ = encode_payload([QuantRecord("q", 4, 512, scales, levels), raw])
+    assert old == encode_payload([QuantRecord("q", 4, 512, scales, levels, want=0), raw])[0]
+    assert decode_payload(old)[0].want == 0  # type: ignore[union-attr]
+    with pytest.raises(CodecError) as err:
+        encode_payload([QuantRecord("q", 4, 512, np.ones(2, dtype=np.float32), levels, want=256)])
+    assert err.value.field == "want"
+    # A raw layer carrying a want is refused (the byte after ``bits`` is 0 for it).
+    head = payload.index(b"\x01\x00b") + 3  # name_len 1, name "b": kind, code, bits, want follow
+    bad = bytearray(payload[:-4])
+    bad[head + 3] = 5
+    from tail_ray.compression.wire import seal
+
+    with pytest.raises(CodecError) as err:
+        decode_payload(seal(bytes(bad)))
+    assert err.value.field == "want"
+
+
+def test_an_unknown_rule_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="lowrank_agree"):
+        TailConfig(lowrank="auto", lowrank_agree="most")
+
+
+def test_the_rule_itself() -> None:
+    assert agreed_rank([8, 16], "all") == 16  # both want low-rank: the larger rank, for both
+    assert agreed_rank([0, 16], "all") == 0  # one wants the quantizer: both quantize
+    assert agreed_rank([0, 16], "any") == 16
+    assert agreed_rank([0, 0], "any") == agreed_rank([], "all") == 0
+    assert agreed_rank([4], "all") == 4  # one rank alone sends what it wants
