@@ -35,6 +35,10 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     assert tail["tail_bits"] is not None
     # Rank 0's own payload, before padding to the longest rank's: at most what it sent.
     assert 0 < tail["own_bytes_per_step_2nd_half"] <= tail["bytes_sent_per_step_2nd_half"]
+    # Every rank's own payload (rank order, rank 0 first); none exceeds what was sent per step.
+    own = tail["own_bytes_by_rank"]
+    assert len(own) == 2 and own[0] == tail["own_bytes_per_step_2nd_half"]
+    assert all(0 < b <= tail["bytes_sent_per_step_2nd_half"] for b in own)
     # Both tail rows record every quantized layer's bits at every step.
     for row in (tail, model):
         history = row["tail_bits_history"]
@@ -47,7 +51,7 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "== digits (6 steps" in printed and "reduction" in printed
     assert "of compress time (after step 5:" in printed
-    assert "[tail] rank 0's own payload, 2nd half:" in printed
+    assert "[tail] own payload per rank, 2nd half:" in printed
     assert "[digits / tail*1] bits per layer over steps" in printed
     # --plot: the heat map of both tail rows, a real PNG (its folder made on the way).
     assert f"wrote {plot}" in printed
