@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES
 from tail_ray.bitwidth.lowrank_choice import LOWRANK_MODES, LOWRANK_TARGETS, LowRankChooser, LowRankSettings
 from tail_ray.bitwidth.plan import ALLOCATIONS, BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
@@ -47,6 +48,7 @@ _SPREAD_SAMPLE_NUMEL = 16384
 # (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once. An
 # unstable plan (nu ~ 2 at 2 bits) crosses it within ~3-4 steps.
 _RESIDUAL_LIMIT = 8.0
+_ENUMS = (("lowrank", LOWRANK_MODES), ("lowrank_target", LOWRANK_TARGETS), ("bucket_choice", BUCKET_CHOICES))
 
 
 @dataclass(frozen=True)
@@ -55,17 +57,16 @@ class TailConfig:
 
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
-    raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
-        header). 4096 is the project-wide contract; 1024 (9.0x -> 10.5x on digits) was not no
-        worse on every seed (docs/engine.md, "Payload anatomy and raw_below_numel").
+    bucket_choice: "fixed" or "auto" (per layer the cheapest bucket at no more error: bucket_choice.py).
+    raw_below_numel: layers smaller than this go raw fp32 (biases, norms). 4096 is the project-wide
+        contract (1024: docs/engine.md, "Payload anatomy and raw_below_numel").
     sample_numel: elements the controller samples to estimate the error (None: exact).
     redecide_every_steps / norm_drift: a layer's bits are re-decided every K steps, or
         sooner when its gradient norm moved by more than ``norm_drift`` (relative).
     noise_fraction: tau = noise_fraction * (relative between-worker gradient spread): a
         worker's compression noise at most a quarter of its SGD noise (the gradient noise
-        the average sees grows by <= 25 %, like a <= 20 % smaller batch). Measured: 1.0
-        (3 bits) cost the char LM +2.2-2.5 % validation loss, 0.35 +1.4-1.7 %, 0.25 (4 bits)
-        +0.2-1.3 %, mean +0.9 % (docs/engine.md).
+        the average sees grows by <= 25 %, like a <= 20 % smaller batch; measured on the char
+        LM against 1.0 and 0.35: docs/engine.md, "The controller").
     tau_default: tau while no spread is known (world size 1, first step).
     tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
     warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical
@@ -111,6 +112,7 @@ class TailConfig:
     lowrank_bits: int = 8
     lowrank_target: str = "bits"
     rounding: str = "stochastic"
+    bucket_choice: str = "fixed"
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -154,7 +156,7 @@ class TailConfig:
             raise ConfigError(f"layer_cap must be a finite number >= 1, got {self.layer_cap!r}")
         if self.warmup_steps < 0 or self.critical_steps < 0:
             raise ConfigError("warmup_steps and critical_steps must be >= 0")
-        for name, allowed in (("lowrank", LOWRANK_MODES), ("lowrank_target", LOWRANK_TARGETS)):
+        for name, allowed in _ENUMS:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         is_nearest(self.rounding)  # a ConfigError naming the choices
@@ -210,6 +212,7 @@ class TailCompressor(RecordCompressor):
             layer_cap=self.config.layer_cap,
             tau_max=self.config.tau_max,
             rounding=self.config.rounding,
+            bucket_choice=self.config.bucket_choice,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the
@@ -268,7 +271,7 @@ class TailCompressor(RecordCompressor):
         *,
         own_shard: int | None = None,
     ) -> list[bytes]:
-        self.lowrank = None  # slices of a layer are quantized (see records.slice_record)
+        self.lowrank, self.controller.bucket_choice = None, "fixed"  # slices: quantized, at one bucket
         return super().compress_shards(grads, shards, own_shard=own_shard)
 
     def _lowrank_layer(
@@ -313,13 +316,12 @@ class TailCompressor(RecordCompressor):
         cfg = self.config
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
         residual = self.residual_of(name, g)
-        # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
-        # the runaway guard and for observe_peers' account of what compression put into
-        # the decoded gradients.
+        # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for the runaway
+        # guard and for observe_peers' account of what compression put into the decoded gradients.
         e_sq = self.feedback.norm_sq(name) if self.feedback is not None else 0.0
-        # Error feedback is only stable while nu < 1; a residual this far above the larger
-        # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
-        # estimate was wrong for this layer: decide again now, on g + e.
+        # Error feedback is only stable while nu < 1; a residual this far above the larger of this
+        # step's and the typical (long-average) ||g||^2 means the last (sampled) estimate was wrong
+        # for this layer: decide again now, on g + e.
         typical = self.controller.policy.typical_norm(name) or 0.0
         if e_sq > _RESIDUAL_LIMIT * max(sum_sq, typical * typical):
             self.controller.invalidate(name)
@@ -329,11 +331,11 @@ class TailCompressor(RecordCompressor):
             lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
             if lowrank is not None:
                 return lowrank
-        # Compression's part of this worker's decoded gradient: the residual carried in plus
-        # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
+        # Compression's part of this worker's decoded gradient, per element: the residual carried in
+        # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed, cfg.rounding)
+        record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, cfg.rounding)
         return CompressedLayer(record, plan.rel_error, nnz)
 
     def second_stage(self) -> TailCompressor:
@@ -343,7 +345,7 @@ class TailCompressor(RecordCompressor):
         (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
         stage = self.spawn()
         assert isinstance(stage, TailCompressor)
-        stage.lowrank = None  # it re-compresses slices (see compress_shards)
+        stage.lowrank, stage.controller.bucket_choice = None, "fixed"  # it re-compresses slices
         self._mean_budgets.append(stage.controller.policy)
         return stage
 
@@ -355,11 +357,10 @@ class TailCompressor(RecordCompressor):
     def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
         """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.
 
-        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the
-        sampled elements are dequantized), minus what compression put into the d_i (the
-        residual carried in + rounding noise, measured on this worker's own last compress as
-        a proxy for every worker's), over the workers' mean ||d_i||^2 less that same
-        compression part: the relative SGD noise (see BudgetPolicy.relative_noise).
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the sampled elements
+        are dequantized), minus what compression put into the d_i (the residual carried in + rounding noise,
+        measured on this worker's own last compress as a proxy for every worker's), over the workers' mean
+        ||d_i||^2 less that same compression part: the relative SGD noise (BudgetPolicy.relative_noise).
         """
         world = len(records_by_rank)
         if world < 2:
