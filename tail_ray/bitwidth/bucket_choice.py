@@ -16,9 +16,13 @@ candidate's buckets are whole in it), estimates for every candidate bucket B and
   bytes  the order-0 entropy of the levels the kernel gives there (a fixed seed) plus 4 bytes
          of scale per bucket;
 and takes the cheapest (B, b) whose error is at most the base's (B = 512 at b) on the same
-sample. Ties and anything not strictly cheaper keep the base: never more error, and fewer
-estimated bytes or the plain choice. Deterministic for a given sample (numba kernels with
-fixed summation order, integer histograms, Python's log2 on exact counts).
+sample, only when it saves at least ``MIN_GAIN`` of the base's estimated bytes (otherwise the
+base): never more error, and a clear saving or the plain choice. Without that margin, picks
+whose estimated saving was within a sample's noise made the char LM send ~1 % more (the winner's
+curse of choosing by a noisy estimate; docs/engine.md). Only bits >= b are tried (fewer bits at
+a larger bucket have ~4x the error), at buckets 4x apart (the decision's cost: measured there
+too). Deterministic for a given sample (numba kernels with fixed summation order, integer
+histograms, Python's log2 on exact counts).
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from tail_ray.bitwidth.quant_error import bucket_errors
 from tail_ray.compression.grid import levels_max, n_buckets
 from tail_ray.compression.quantize import quantize
 
-__all__ = ["AUTO_BUCKETS", "BUCKET_CHOICES", "BucketPick", "choose_bucket", "level_bytes"]
+__all__ = ["AUTO_BUCKETS", "BUCKET_CHOICES", "MIN_GAIN", "BucketPick", "choose_bucket", "level_bytes"]
 
 BUCKET_CHOICES = ("fixed", "auto")
 # Candidate buckets: powers of two, so each divides the largest and every candidate's buckets
 # are whole inside the sample's.
-AUTO_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
+AUTO_BUCKETS = (512, 1024, 4096, 16384)
+# A pick must save this share of the base's estimated bytes.
+MIN_GAIN = 0.05
 # At least this many elements (whole largest buckets) are sampled; the whole layer if smaller.
 AUTO_SAMPLE_NUMEL = 16384
 _SEED = 0x5EED  # the estimate's rounding: any fixed value (deterministic decisions)
@@ -48,6 +54,7 @@ class BucketPick:
     bucket_size: int
     bits: int
     rel_error: float  # estimated nu of (bucket_size, bits) on the sample
+    saving: float  # share of the base's estimated bytes it saves (>= MIN_GAIN)
 
 
 def level_bytes(levels: np.ndarray, bits: int) -> float:
@@ -80,6 +87,7 @@ def choose_bucket(
     rng: np.random.Generator,
     rounding: str = "stochastic",
     buckets: tuple[int, ...] = AUTO_BUCKETS,
+    min_gain: float = MIN_GAIN,
 ) -> BucketPick | None:
     """The cheapest (bucket, bits) at no more estimated error than (``base_bucket``, ``bits``)
     on a sample of ``x`` (g + e, finite); None when nothing beats the base (or ``x`` is all
@@ -91,7 +99,7 @@ def choose_bucket(
     if len(cands) < 2:
         return None
     xs = _sample(x, cands[-1], sample_numel, rng)
-    bits_list = tuple(sorted(candidate_bits))
+    bits_list = tuple(b for b in sorted(candidate_bits) if b >= bits)
     errors = {}
     for b in cands:
         num, den, _ = bucket_errors(
@@ -117,6 +125,6 @@ def choose_bucket(
         if best is None or cost < best[0]:
             best = (cost, b, bits_list[j], errors[b][j])
     assert best is not None  # the base itself fits
-    if best[1] == base_bucket or not best[0] < base_cost:
+    if best[1] == base_bucket or not best[0] <= (1 - min_gain) * base_cost:
         return None
-    return BucketPick(best[1], best[2], best[3])
+    return BucketPick(best[1], best[2], best[3], 1 - best[0] / base_cost)

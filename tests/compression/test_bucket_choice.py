@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig
-from tail_ray.bitwidth.bucket_choice import choose_bucket
+from tail_ray.bitwidth.bucket_choice import MIN_GAIN, choose_bucket
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.wire import decode_payload
@@ -27,13 +27,13 @@ def _exact(x: np.ndarray, bucket: int) -> list[float]:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("bits", [3, 4, 5])
+@pytest.mark.parametrize("bits", [3, 4])
 def test_the_pick_has_no_more_error_than_the_base_bucket_at_its_bits(seed, bits):
     x = _rows(seed)
     pick = choose_bucket(x, 512, bits, BITS, sample_numel=None, rng=np.random.default_rng(seed))
     assert pick is not None and pick.bucket_size > 512  # units of different scale: larger buckets pay
     limit = _exact(x, 512)[BITS.index(bits)]
-    assert pick.rel_error <= limit
+    assert pick.rel_error <= limit and pick.saving >= MIN_GAIN
     assert _exact(x, pick.bucket_size)[BITS.index(pick.bits)] == pytest.approx(pick.rel_error, rel=1e-9)
 
 
@@ -43,6 +43,16 @@ def test_the_pick_is_the_same_for_the_same_input_and_sample():
         choose_bucket(x, 512, 4, BITS, sample_numel=4096, rng=np.random.default_rng(7)) for _ in range(3)
     }
     assert len(picks) == 1
+
+
+@pytest.mark.parametrize(("spread", "seed"), [(0.4, 1), (0.7, 2)])
+def test_a_saving_within_a_sample_s_noise_keeps_the_base(spread, seed):
+    # Units that differ a little: a larger bucket at a bit more saves < 1 % (estimated), too
+    # little to trust; the base is kept. Without the margin it would be taken.
+    x = _rows(seed, spread=spread)
+    pick = choose_bucket(x, 512, 4, BITS, sample_numel=None, rng=np.random.default_rng(0), min_gain=0.0)
+    assert pick is not None and 0 < pick.saving < MIN_GAIN
+    assert choose_bucket(x, 512, 4, BITS, sample_numel=None, rng=np.random.default_rng(0)) is None
 
 
 def test_no_pick_for_a_layer_too_small_for_a_second_bucket_or_all_zero():
