@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tail_ray.bitwidth.allocate import LayerCurve, ModelAllocator, pick_bits
+from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES, choose_bucket
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.device import LayerArray
@@ -43,6 +44,7 @@ class LayerPlan:
     tau: float
     decided_step: int
     norm: float  # smoothed gradient norm at the decision
+    bucket_size: int = 512  # elements per scale (bucket_choice "auto": chosen per layer)
 
 
 ALLOCATIONS = ("layer", "model")
@@ -63,9 +65,16 @@ class BitController:
         layer_cap: float = 2.0,
         tau_max: float = 0.5,
         rounding: str = "stochastic",
+        bucket_choice: str = "fixed",
     ) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if bucket_choice not in BUCKET_CHOICES:
+            raise ConfigError(f"bucket_choice must be one of {list(BUCKET_CHOICES)}, got {bucket_choice!r}")
+        if bucket_choice == "auto" and allocation == "model":
+            # The allocation moves bits after the bucket was chosen for them: the error would not hold.
+            raise ConfigError('bucket_choice "auto" needs allocation "layer"')
+        self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
         self.policy = policy
         self.rounding = rounding  # the quantizer's: the error model follows it
         self.allocation = allocation
@@ -127,8 +136,15 @@ class BitController:
             values = nu.tolist()  # Python floats, the same values: cheaper to compare and keep
             j = self._pick(values, tau)
             plan = LayerPlan(
-                bits=self.candidate_bits[j], rel_error=values[j], tau=tau, decided_step=step, norm=norm
+                bits=self.candidate_bits[j],
+                rel_error=values[j],
+                tau=tau,
+                decided_step=step,
+                norm=norm,
+                bucket_size=self.bucket_size,
             )
+            if self.bucket_choice == "auto" and isinstance(g, np.ndarray):
+                plan = self._bucket_plan(plan, g, residual)
             self.plans[name] = plan
             if self.allocation == "model":
                 self.curves[name] = LayerCurve(name, g.size, tau, tuple(values))
@@ -138,6 +154,25 @@ class BitController:
         if self.allocation == "model":
             plan = self._allocated_plan(name, plan, step)
         return plan
+
+    def _bucket_plan(self, plan: LayerPlan, g: np.ndarray, residual: Residual | None) -> LayerPlan:
+        """The plan at the cheapest bucket size with no more error (bucket_choice.py); the
+        Triton path (device arrays) keeps the base bucket."""
+        x = g if not isinstance(residual, np.ndarray) else g + residual
+        if not np.isfinite(x).all():  # g + e past float32's range: the kernel saturates, keep it plain
+            return plan
+        pick = choose_bucket(
+            x,
+            self.bucket_size,
+            plan.bits,
+            self.candidate_bits,
+            sample_numel=self.sample_numel,
+            rng=self._rng,
+            rounding=self.rounding,
+        )
+        if pick is None:
+            return plan
+        return replace(plan, bits=pick.bits, rel_error=pick.rel_error, bucket_size=pick.bucket_size)
 
     def _allocated_plan(self, name: str, plan: LayerPlan, step: int) -> LayerPlan:
         """The layer's plan with the bits of the current whole-model allocation (another
@@ -185,6 +220,10 @@ class BitController:
                 tau=float(p["tau"]),
                 decided_step=int(p["decided_step"]),
                 norm=float(p["norm"]),
+                # Older checkpoints (and bucket_choice "fixed") use the configured bucket.
+                bucket_size=int(p.get("bucket_size", self.bucket_size))
+                if self.bucket_choice == "auto"
+                else self.bucket_size,
             )
             for name, p in dict(state["plans"]).items()
             if int(p["bits"]) in self.candidate_bits

@@ -75,6 +75,7 @@ class TailCompressor(RecordCompressor):
             layer_cap=self.config.layer_cap,
             tau_max=self.config.tau_max,
             rounding=self.config.rounding,
+            bucket_choice=self.config.bucket_choice,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the
@@ -135,7 +136,7 @@ class TailCompressor(RecordCompressor):
         *,
         own_shard: int | None = None,
     ) -> list[bytes]:
-        self.lowrank = None  # slices of a layer are quantized (see records.slice_record)
+        self.lowrank, self.controller.bucket_choice = None, "fixed"  # slices: quantized, at one bucket
         return super().compress_shards(grads, shards, own_shard=own_shard)
 
     def _lowrank_layer(
@@ -193,13 +194,12 @@ class TailCompressor(RecordCompressor):
         cfg = self.config
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
         residual = self.residual_of(name, g)
-        # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for
-        # the runaway guard and for observe_peers' account of what compression put into
-        # the decoded gradients.
+        # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for the runaway
+        # guard and for observe_peers' account of what compression put into the decoded gradients.
         e_sq = self.feedback.norm_sq(name) if self.feedback is not None else 0.0
-        # Error feedback is only stable while nu < 1; a residual this far above the larger
-        # of this step's and the typical (long-average) ||g||^2 means the last (sampled)
-        # estimate was wrong for this layer: decide again now, on g + e.
+        # Error feedback is only stable while nu < 1; a residual this far above the larger of this
+        # step's and the typical (long-average) ||g||^2 means the last (sampled) estimate was wrong
+        # for this layer: decide again now, on g + e.
         typical = self.controller.policy.typical_norm(name) or 0.0
         if e_sq > _RESIDUAL_LIMIT * max(sum_sq, typical * typical):
             self.controller.invalidate(name)
@@ -209,11 +209,11 @@ class TailCompressor(RecordCompressor):
             lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
             if lowrank is not None:
                 return lowrank
-        # Compression's part of this worker's decoded gradient: the residual carried in plus
-        # the rounding noise nu ||g + e||^2 (cross term ~0), per element.
+        # Compression's part of this worker's decoded gradient, per element: the residual carried in
+        # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(name, g, plan.bits, cfg.bucket_size, seed, cfg.rounding)
+        record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, cfg.rounding)
         if self.lowrank is not None and self.lowrank.rank_of(name):
             record = replace(record, want=self.lowrank.rank_of(name))
         return CompressedLayer(record, plan.rel_error, nnz)
@@ -225,7 +225,7 @@ class TailCompressor(RecordCompressor):
         (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
         stage = self.spawn()
         assert isinstance(stage, TailCompressor)
-        stage.lowrank = None  # it re-compresses slices (see compress_shards)
+        stage.lowrank, stage.controller.bucket_choice = None, "fixed"  # it re-compresses slices
         self._mean_budgets.append(stage.controller.policy)
         return stage
 
@@ -237,11 +237,10 @@ class TailCompressor(RecordCompressor):
     def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
         """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.
 
-        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the
-        sampled elements are dequantized), minus what compression put into the d_i (the
-        residual carried in + rounding noise, measured on this worker's own last compress as
-        a proxy for every worker's), over the workers' mean ||d_i||^2 less that same
-        compression part: the relative SGD noise (see BudgetPolicy.relative_noise).
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the sampled elements
+        are dequantized), minus what compression put into the d_i (the residual carried in + rounding noise,
+        measured on this worker's own last compress as a proxy for every worker's), over the workers' mean
+        ||d_i||^2 less that same compression part: the relative SGD noise (BudgetPolicy.relative_noise).
         """
         if self.lowrank is not None:
             self.agreement.observe(records_by_rank)  # the next step's low-rank choices

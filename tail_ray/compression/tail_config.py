@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES
 from tail_ray.bitwidth.lowrank_agree import AGREE_RULES
 from tail_ray.bitwidth.lowrank_choice import LOWRANK_MODES, LOWRANK_TARGETS, LowRankSettings
 from tail_ray.bitwidth.plan import ALLOCATIONS
@@ -19,6 +20,9 @@ class TailConfig:
 
     candidate_bits: bit-widths the controller may pick per layer; one value pins it.
     bucket_size: elements sharing one max-abs scale (32 bits of scale per bucket).
+    bucket_choice: "fixed" (every layer at bucket_size) or "auto" (per layer the cheapest
+        bucket at no more estimated error: bitwidth/bucket_choice.py; docs/engine.md, "Bucket
+        size per layer").
     raw_below_numel: layers smaller than this go raw fp32 (biases, norms: not worth a
         header). 4096 is the project-wide contract; 1024 (9.0x -> 10.5x on digits) was not no
         worse on every seed (docs/engine.md, "Payload anatomy and raw_below_numel").
@@ -81,6 +85,7 @@ class TailConfig:
     lowrank_target: str = "bits"
     lowrank_agree: str = "any"
     rounding: str = "stochastic"
+    bucket_choice: str = "fixed"
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,7 @@ class TailConfig:
             ("lowrank", LOWRANK_MODES),
             ("lowrank_target", LOWRANK_TARGETS),
             ("lowrank_agree", AGREE_RULES),
+            ("bucket_choice", BUCKET_CHOICES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
