@@ -67,6 +67,26 @@ MODELS: dict[str, tuple[str, int, Callable[[torch.nn.Module], torch.optim.Optimi
 DEFAULT_MODELS = ("digits_cnn", "char_transformer")
 
 
+def add_capture_args(parser: argparse.ArgumentParser) -> None:
+    """--models, --steps and --keep of the offline studies that run ``capture_gradients``."""
+    parser.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help="comma list (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
+    parser.add_argument(
+        "--keep", type=int, default=90, help="last steps the compressors run over (default %(default)s)"
+    )
+
+
+def models_of(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """A --models comma list, each name checked (a parser error names the choices)."""
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    return models
+
+
 @dataclass
 class Capture:
     model: str
@@ -433,10 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 2:
         parser.error("--workers must be >= 2 (the SGD-noise estimate needs peers)")
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    models = models_of(parser, args.models)
     # Single thread: the throughput figures are per core, against a single-thread copy.
     torch.set_num_threads(1)
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobs.bench_codec import MODELS, capture_gradients
+from jobs.bench_codec import add_capture_args, capture_gradients, models_of
 from tail_ray.bitwidth.quant_error import bucket_errors
 from tail_ray.compression.code_table import DEFAULT_CODES
 from tail_ray.compression.device import LayerArray
@@ -54,7 +54,6 @@ from tail_ray.compression.record_compressor import CompressedLayer
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 
-DEFAULT_MODELS = ("digits_cnn", "char_transformer")
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 DEFAULT_BITS = (2, 3, 4, 5)
 REF_BUCKET = 512
@@ -339,13 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    parser.add_argument(
-        "--models", default=",".join(DEFAULT_MODELS), help="comma list (default: %(default)s)"
-    )
-    parser.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
-    parser.add_argument(
-        "--keep", type=int, default=90, help="last steps the compressors run over (default %(default)s)"
-    )
+    add_capture_args(parser)
     parser.add_argument("--eval-steps", type=int, default=3, help="last steps analysed (default %(default)s)")
     parser.add_argument(
         "--buckets",
@@ -356,10 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="data / model seed (default %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the full results as JSON here")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    models = models_of(parser, args.models)
     try:
         buckets = tuple(sorted({int(b) for b in args.buckets.split(",")}))
         bits = tuple(sorted({int(b) for b in args.bits.split(",")}))

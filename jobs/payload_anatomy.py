@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from jobs.bench_codec import MODELS, Capture, capture_gradients, run_workers
+from jobs.bench_codec import Capture, add_capture_args, capture_gradients, models_of, run_workers
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.code_table import DEFAULT_CODES
 from tail_ray.compression.codes import Code, LevelStats
@@ -42,8 +42,6 @@ from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bou
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, decode_payload
-
-DEFAULT_MODELS = ("digits_cnn", "char_transformer")
 
 
 @dataclass
@@ -165,13 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    parser.add_argument(
-        "--models", default=",".join(DEFAULT_MODELS), help="comma list (default: %(default)s)"
-    )
-    parser.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
-    parser.add_argument(
-        "--keep", type=int, default=90, help="last steps the compressors run over (default %(default)s)"
-    )
+    add_capture_args(parser)
     parser.add_argument(
         "--raw-below-numel",
         type=int,
@@ -181,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="data / model seed (default %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    models = models_of(parser, args.models)
     if not 2 <= args.keep <= args.steps:
         parser.error("--keep must be in 2..--steps")
     thresholds = args.raw_below_numel or [TailConfig().raw_below_numel]
