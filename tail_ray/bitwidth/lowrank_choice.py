@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tail_ray.bitwidth.lowrank_energy import captured_energy, warm_linalg
 from tail_ray.bitwidth.lowrank_state import (
     MAX_BACKOFF,
     STATE_FORMAT,
@@ -90,41 +91,6 @@ class LowRankSettings:
             raise ConfigError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
 
-def _captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    """For Q = M^T P with P orthonormal (cols x R): the energy of M that the best rank-r
-    approximation inside span(P) keeps, for r = 1..R (cumulative, descending), and the
-    directions that keep it (cols x R, best first: next step's warm start).
-
-    That energy is the top r eigenvalues of the R x R Gram matrix Q^T Q (= the squared
-    singular values of Q); an eigendecomposition of it costs a few microseconds where an SVD
-    of Q cost ~150 us."""
-    gram = (q.T.double() @ q.double()).numpy()
-    values, vectors = np.linalg.eigh(gram)  # ascending
-    order = values.argsort()[::-1]
-    captured = np.cumsum(np.clip(values[order], 0.0, None))
-    basis = q @ torch.from_numpy(vectors[:, order].astype(np.float32))
-    return captured, basis
-
-
-_linalg_warm = False  # _warm_linalg ran in this process
-
-
-def _warm_linalg() -> None:
-    """One tiny trial's linear algebra (QR, the float64 Gram product, eigh), once per process.
-
-    A process's first QR and eigh load LAPACK's code. In the benchmark's LM workers the
-    first trial's first power step cost 0.6-4.4 ms of CPU (~0.2 ms later), once 46 ms of
-    wall (code pages not resident on a loaded host), and at step 20, where every layer has
-    its first trial. Fixed inputs and no generator: no later draw, bit or choice changes."""
-    global _linalg_warm
-    if _linalg_warm:
-        return
-    m = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).sin()
-    q = torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8).cos()
-    _captured_energy(power_step(m, q)[1])
-    _linalg_warm = True
-
-
 class LowRankChooser:
     """See the module docstring. One per compressor; state per layer name."""
 
@@ -142,8 +108,8 @@ class LowRankChooser:
         # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
         # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
         self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
-        # Here, at hook set-up, not in the first trial: see _warm_linalg.
-        _warm_linalg()
+        # Here, at hook set-up, not in the first trial: see lowrank_energy.warm_linalg.
+        warm_linalg()
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
@@ -153,7 +119,15 @@ class LowRankChooser:
 
     def warm_start(self, name: str) -> torch.Tensor | None:
         """The layer's Q to start its next power iteration from (cols x rank; None: quantized)."""
-        return self._layers[name].q_warm
+        layer = self._layers[name]
+        if layer.q_wide is not None:  # sent wider than it wants: its best directions, now needed
+            layer.q_warm = captured_energy(layer.q_wide)[1][:, : layer.rank].contiguous()
+            layer.q_wide = None
+        return layer.q_warm
+
+    def _fitted(self, name: str) -> LayerState:
+        self.warm_start(name)
+        return self._layers[name]
 
     def fit_warm(self, q: torch.Tensor | None, cols: int, width: int) -> torch.Tensor:
         """A warm start of ``width`` columns from ``q``: ``q`` itself, its best directions (a
@@ -162,7 +136,7 @@ class LowRankChooser:
         if q is not None and have == width:
             return q
         if q is not None and have > width:
-            return _captured_energy(q)[1][:, :width].contiguous()
+            return captured_energy(q)[1][:, :width].contiguous()
         extra = torch.randn(cols, width - have, generator=self._gen)
         return extra if q is None else torch.cat((q, extra), dim=1).contiguous()
 
@@ -271,14 +245,14 @@ class LowRankChooser:
         for _ in range(iterations):
             _p, q = power_step(m, q)
         layer.trial_q = q
-        captured, basis = _captured_energy(q)
+        captured, basis = captured_energy(q)
         best = math.inf
         for r in ranks:
             nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
             ratio = nu / (1 - nu) if nu < 1 else math.inf
             if ratio <= target:
                 layer.rank = r
-                layer.q_warm = basis[:, :r].contiguous()
+                layer.q_warm, layer.q_wide = basis[:, :r].contiguous(), None
                 layer.ratio_ema = None
                 layer.steps_in_mode = 0
                 layer.lowrank_bytes = None
@@ -302,7 +276,15 @@ class LowRankChooser:
         ``g_sq``), and ||g + e||^2 of the step (``m_sq``: a lower rank's estimate)."""
         t0 = time.perf_counter()
         layer = self._layers[name]
-        layer.q_warm = self.fit_warm(q_next, layer.cols, layer.rank)  # sent at an agreed rank
+        if q_next.shape[1] > layer.rank:
+            # Sent at a higher rank another rank wanted ("any"). Its best ``rank`` directions
+            # (captured_energy: 0.15-0.7 ms here) are fitted only when this rank's own choice is
+            # sent again (warm_start): fitted here every step, they were most of the agreed
+            # variant's decision time (digits: 5-8 % of compress time, issue 15), and unused
+            # while the agreed rank stays above this rank's own.
+            layer.q_warm, layer.q_wide = None, q_next
+        else:
+            layer.q_warm, layer.q_wide = self.fit_warm(q_next, layer.cols, layer.rank), None
         layer.steps_in_mode += 1
         if g_sq > 0 and math.isfinite(e_sq):
             ratio = e_sq / g_sq
@@ -324,7 +306,7 @@ class LowRankChooser:
             higher = self._affordable(layer, above=layer.rank)
             if higher:
                 r = higher[0]
-                layer.q_warm = self.fit_warm(q_next, layer.cols, r)
+                layer.q_warm, layer.q_wide = self.fit_warm(q_next, layer.cols, r), None
                 layer.floor = r
                 layer.rank = r
                 layer.steps_in_mode = 0
@@ -343,14 +325,14 @@ class LowRankChooser:
         lower = [r for r in self.settings.ranks if layer.floor <= r < layer.rank]
         if not lower or not (m_sq > 0 and math.isfinite(m_sq)):
             return
-        captured, basis = _captured_energy(q)
+        captured, basis = captured_energy(q)
         for r in lower:
             nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
             # Half the target: a rank that only just fits this step's M outgrows it once the
             # directions it drops pile up in the residual (measured: rank 4 -> 1 -> 2 -> 4).
             if nu < 1 and nu / (1 - nu) <= target / 2:
                 layer.rank = r
-                layer.q_warm = basis[:, :r].contiguous()
+                layer.q_warm, layer.q_wide = basis[:, :r].contiguous(), None
                 layer.ratio_ema = None
                 layer.steps_in_mode = 0
                 layer.lowrank_bytes = None
@@ -359,7 +341,7 @@ class LowRankChooser:
     def _leave(self, layer: LayerState, step: int) -> None:
         layer.rank = 0
         layer.floor = 0
-        layer.q_warm = None
+        layer.q_warm = layer.q_wide = None
         layer.ratio_ema = None
         layer.steps_in_mode = 0
         layer.backoff = min(layer.backoff * 2, MAX_BACKOFF)
@@ -387,7 +369,8 @@ class LowRankChooser:
             "format": STATE_FORMAT,
             "settings": self._settings_key(),
             "generator": self._gen.get_state(),
-            "layers": {name: layer_to_state(layer) for name, layer in self._layers.items()},
+            # warm_start first: a pending fit is saved as the q_warm it stands for.
+            "layers": {name: layer_to_state(self._fitted(name)) for name in self._layers},
         }
 
     def _settings_key(self) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class LayerState:
     cols: int
     rank: int = 0  # 0: quantized
     q_warm: torch.Tensor | None = None
+    # The Q last sent, when the agreed rank was above ``rank``: q_warm is its best ``rank``
+    # directions, fitted from it when first needed (LowRankChooser.warm_start); then None.
+    q_wide: torch.Tensor | None = None
     trial_q: torch.Tensor | None = None
     quant_bytes: float | None = None  # the layer's latest quantized payload bytes
     lowrank_bytes: float | None = None  # ... and low-rank, at ``rank``

@@ -161,9 +161,11 @@ class TailCompressor(RecordCompressor):
             return None
         if compensated is None:
             compensated = feedback.compensate(name, g)
+        # Warm start: the Q this rank last sent, when the agreed rank is not this rank's own
+        # choice; else the chooser's own (fitted only now, when it is sent: lowrank_choice).
         sent_q = self.agreement.sent_q.get(name)
-        own_q = chooser.warm_start(name)
-        base = sent_q if sent_q is not None and (own_q is None or own_q.shape[1] != rank) else own_q
+        own_rank = chooser.rank_of(name)
+        base = sent_q if sent_q is not None and own_rank != rank else chooser.warm_start(name)
         q_warm = chooser.fit_warm(base, shape[1], rank)
         rec, q_next, recon = compress_lowrank(
             name,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tail_ray.bitwidth import lowrank_choice
 from tail_ray.bitwidth.lowrank_agree import agreed_rank
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.records import LowRankRecord, QuantRecord, RawRecord
@@ -123,6 +124,46 @@ def test_agreement_any_shrinks_the_padded_all_gather_against_each_rank_deciding_
     # least its own choice (quantized if any rank wants that; else the largest wanted rank), so
     # a padded step is never shorter; here it was 1,065,849 (docs/engine.md, "Agreed low-rank
     # choice").
+
+
+class _EagerChooser(lowrank_choice.LowRankChooser):
+    """The reference: fits its own warm start from what was sent after every low-rank step (as
+    the chooser did before the fit waited until it was needed)."""
+
+    def observe_lowrank(self, name: str, q_next: torch.Tensor, **kwargs: Any) -> None:
+        super().observe_lowrank(name, q_next, **kwargs)
+        self.warm_start(name)
+
+
+def test_a_rank_sent_above_its_own_choice_defers_its_fit_and_sends_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under "all" rank 0 wants rank 2 while rank 1 wants 16 (steps 28-32), so rank 0 sends 16:
+    its own rank-2 warm start is needed only when 2 is sent again. Fitting it at once every step
+    was an eigendecomposition per low-rank layer and step (issue 15's decision-cost regression);
+    deferred, the payloads must be the same bytes, with fewer of them."""
+    calls = {"n": 0}
+    captured_energy = lowrank_choice.captured_energy
+
+    def counted(q: torch.Tensor) -> Any:
+        calls["n"] += 1
+        return captured_energy(q)
+
+    monkeypatch.setattr(lowrank_choice, "captured_energy", counted)
+    results = {}
+    for eager in (True, False):
+        comps = _pair("all")
+        if eager:
+            for comp in comps:
+                comp.lowrank.__class__ = _EagerChooser  # type: ignore[union-attr]
+        calls["n"] = 0
+        steps = _run(comps)
+        results[eager] = (steps, calls["n"])
+    (eager_steps, eager_calls), (lazy_steps, lazy_calls) = results[True], results[False]
+    wants = [(_wants(p0), _wants(p1)) for p0, p1 in lazy_steps]
+    assert any(0 < w0 < w1 for w0, w1 in wants), wants  # the case this test is about happened
+    assert lazy_steps == eager_steps
+    assert lazy_calls < eager_calls, (lazy_calls, eager_calls)
 
 
 def test_the_first_step_and_a_resize_quantize_and_a_restart_continues() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tail_ray.bitwidth import lowrank_choice
+from tail_ray.bitwidth import lowrank_energy
 from tail_ray.compression.tail import TailCompressor, TailConfig
 
 
@@ -65,7 +65,7 @@ def test_the_first_chooser_of_a_process_loads_lapack_before_any_trial(monkeypatc
         return qr(*args, **kwargs)
 
     monkeypatch.setattr(torch.linalg, "qr", counting_qr)
-    monkeypatch.setattr(lowrank_choice, "_linalg_warm", False, raising=False)
+    monkeypatch.setattr(lowrank_energy, "_linalg_warm", False)
     first = _tail()
     assert len(calls) == 1 and first.lowrank is not None and not first.lowrank.trial_times_s
     _tail()  # once per process, not per chooser

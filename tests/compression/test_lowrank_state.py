@@ -186,3 +186,25 @@ def test_what_is_not_a_chooser_state_is_a_config_error() -> None:
         comp.lowrank.load_state_dict({"format": 1, "settings": {}})
     with pytest.raises(ConfigError, match="format 4"):
         comp.load_state_dict({**comp.state_dict(), "format": 4})
+
+
+def test_a_warm_start_still_to_be_fitted_is_saved_as_the_fit() -> None:
+    """Sent above its own rank (another rank wanted more), a layer's own warm start is fitted
+    only when needed (lowrank_choice.warm_start); a checkpoint taken before then must hold
+    that fit (cols x rank, the best directions of what was sent), which the restore accepts."""
+    from tail_ray.bitwidth.lowrank_choice import LowRankChooser, LowRankSettings
+    from tail_ray.bitwidth.lowrank_energy import captured_energy
+    from tail_ray.bitwidth.lowrank_state import LayerState
+
+    chooser = LowRankChooser(LowRankSettings(), bucket_size=512, seed=3)
+    chooser._layers["w"] = LayerState(128, 256, rank=2, q_warm=torch.zeros(256, 2), quant_bytes=9e4)
+    sent_q = torch.randn(256, 16, generator=torch.Generator().manual_seed(5))
+    chooser.observe_lowrank("w", sent_q, e_sq=0.01, g_sq=1.0, m_sq=1.0, nu_quant=0.1, step=30)
+    assert chooser._layers["w"].q_wide is sent_q  # not fitted yet
+    saved = _through_disk(chooser.state_dict())
+    expected = captured_energy(sent_q)[1][:, :2]
+    assert torch.equal(saved["layers"]["w"]["q_warm"], expected)
+    restored = LowRankChooser(LowRankSettings(), bucket_size=512, seed=3)
+    restored.load_state_dict(saved)
+    assert restored.rank_of("w") == 2
+    assert torch.equal(restored.warm_start("w"), expected)  # type: ignore[arg-type]
