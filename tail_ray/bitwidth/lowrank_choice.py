@@ -121,7 +121,7 @@ class LowRankChooser:
         """The layer's Q to start its next power iteration from (cols x rank; None: quantized)."""
         layer = self._layers[name]
         if layer.q_wide is not None:  # sent wider than it wants: its best directions, now needed
-            layer.q_warm = captured_energy(layer.q_wide)[1][:, : layer.rank].contiguous()
+            layer.q_warm = self.fit_warm(layer.q_wide, layer.cols, layer.rank)
             layer.q_wide = None
         return layer.q_warm
 
