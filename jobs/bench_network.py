@@ -19,6 +19,7 @@ falls back to a fake link. It removes the namespaces on exit, Ctrl-C or failure.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -124,6 +125,10 @@ def run_worker(args: argparse.Namespace) -> None:
             dist.barrier()
     dist.barrier()
     Path(args.out).write_text(json.dumps(rows))
+    # DDP's reducer and the hook's state hold the group: drop them (and their reference
+    # cycles) while the interpreter is whole, so the group really goes here, not at exit.
+    del model, state, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -326,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.worker:
         run_worker(args)
-        return 0
+        # This rank's results are on disk and its group is gone. Skip interpreter finalization:
+        # a c10d/gloo native thread still alive when exit() runs static destructors makes
+        # std::terminate abort the process (SIGABRT, "terminate called without an active
+        # exception": one 3-rank CI run), failing a run whose results are complete.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     from jobs.netlab import NetLab, NetLabError
 
