@@ -10,8 +10,8 @@ How: each rank's chooser still decides what it WANTS for a layer from its own M;
 travels in the layer's record (``QuantRecord.want`` / ``LowRankRecord.want``, one byte of the
 layer header). Every rank decodes every rank's payload, so after step t's exchange all ranks
 hold the same wants and apply the same rule (``agreed_rank``, ``TailConfig.lowrank_agree``):
-"any" (the default), low-rank iff some rank wants it, or "all", iff every rank does, at the
-largest wanted rank; otherwise quantized. Step t+1 sends that, on every rank. Only integers decoded from the
+"half" (the default), low-rank iff at least half the ranks want it, "any", iff some rank
+does, or "all", iff every rank does, at the largest wanted rank; otherwise quantized. Step t+1 sends that, on every rank. Only integers decoded from the
 same payloads go into it, so it is the same on every rank and CPU.
 
 A layer no exchange has shown yet (the first step, a new world after a resize, a peer whose
@@ -33,10 +33,10 @@ from tail_ray.errors import ConfigError
 AGREEMENT_FORMAT = 1
 
 
-AGREE_RULES = ("all", "any")
+AGREE_RULES = ("all", "half", "any")
 
 
-def agreed_rank(wants: Sequence[int], rule: str = "any") -> int:
+def agreed_rank(wants: Sequence[int], rule: str = "half") -> int:
     """The rank every rank sends next (0: quantized), from every rank's want.
 
     "all": low-rank iff every rank wants it, at the largest wanted rank (so no rank's residual
@@ -45,8 +45,12 @@ def agreed_rank(wants: Sequence[int], rule: str = "any") -> int:
     "any": low-rank iff some rank wants it, at the largest wanted rank: a rank whose chooser
     wants the quantizer sends factors too (its error feedback stays exact: what the factors
     miss is sent later), and the padded all-gather is a low-rank one whenever one rank's is.
+    "half": low-rank iff at least half the ranks want it, at the largest wanted rank. The same
+    as "any" on 2 ranks (where it was measured); on more, one rank's want no longer pulls
+    W - 1 ranks whose choosers judged the factors too lossy for their own M along with it.
     """
-    if not wants or max(wants) < 1 or (rule == "all" and min(wants) < 1):
+    wanting = sum(1 for w in wants if w >= 1)
+    if wanting == 0 or (rule == "all" and wanting < len(wants)) or (rule == "half" and 2 * wanting < len(wants)):
         return 0
     return max(wants)
 
@@ -61,7 +65,7 @@ class RankAgreement:
     of the factors this rank last sent per layer (``sent_q``, cols x the agreed rank: its own
     chooser's keeps its own rank's width)."""
 
-    def __init__(self, rule: str = "any") -> None:
+    def __init__(self, rule: str = "half") -> None:
         if rule not in AGREE_RULES:
             raise ConfigError(f"lowrank_agree must be one of {list(AGREE_RULES)}, got {rule!r}")
         self.rule = rule

@@ -51,10 +51,11 @@ class TailConfig:
         quantizer leaves at the bits the budget picked: the same error, fewer bytes) or
         "budget" (the residual the budget tau itself allows, a looser bound).
     lowrank_agree: how every rank's next low-rank choice follows from all ranks' wants (the
-        same kind and rank per layer on every rank: bitwidth/lowrank_agree.py): "any" (low-rank
-        iff some rank wants it) or "all" (iff every rank does); at the largest wanted rank.
-        "all" cannot shorten the padded all-gather and measured 14.4-25.6x on digits where
-        "any" gave 21.9-27.3x (docs/engine.md, "Agreed low-rank choice").
+        same kind and rank per layer on every rank: bitwidth/lowrank_agree.py): "half" (low-rank
+        iff at least half the ranks want it; "any" on 2 ranks), "any" (iff some rank wants it)
+        or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
+        padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
+        (docs/engine.md, "Agreed low-rank choice").
     rounding: "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at
         the same bits, biased per step; CPU kernels only; docs/engine.md, "Round-to-nearest").
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
@@ -83,7 +84,7 @@ class TailConfig:
     lowrank_ranks: tuple[int, ...] = (1, 2, 4, 8, 16)
     lowrank_bits: int = 8
     lowrank_target: str = "bits"
-    lowrank_agree: str = "any"
+    lowrank_agree: str = "half"
     rounding: str = "stochastic"
     bucket_choice: str = "fixed"
     seed: int | None = field(default=None)

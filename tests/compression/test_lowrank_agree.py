@@ -38,14 +38,14 @@ def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
     k = 6 if rank == 1 and 12 <= step < 22 else 2
     coeff = 1.0 + 0.1 * torch.randn(k, generator=gen)
     w = (_U[:, :k] * coeff) @ _V[:, :k].T + 0.01 * torch.randn(128, 256, generator=gen)
-    if rank == 1 and 22 <= step < 30:
-        w = torch.randn(128, 256, generator=gen)
+    if (rank == 1 and 22 <= step < 30) or (rank == 2 and 6 <= step < 30):
+        w = torch.randn(128, 256, generator=gen)  # rank 2 (3-rank tests only): steps 6-29
     return {"w": w, "full": torch.randn(64, 512, generator=gen), "bias": torch.randn(64, generator=gen)}
 
 
-def _pair(agree: str = "all") -> list[TailCompressor]:
+def _pair(agree: str = "all", world_size: int = 2) -> list[TailCompressor]:
     settings: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
-    return [TailCompressor(TailConfig(**settings, lowrank_agree=agree, seed=7 + r)) for r in range(2)]
+    return [TailCompressor(TailConfig(**settings, lowrank_agree=agree, seed=7 + r)) for r in range(world_size)]
 
 
 def _sent(payload: bytes) -> dict[str, tuple[str, int]]:
@@ -89,7 +89,7 @@ def _wants(payload: bytes) -> int:
     return rec.want
 
 
-@pytest.mark.parametrize("agree", ["all", "any"])
+@pytest.mark.parametrize("agree", ["all", "half", "any"])
 def test_two_ranks_with_different_gradients_send_the_same_kind_and_rank_every_step(agree: str) -> None:
     steps = _run(_pair(agree))
     for step, (p0, p1) in enumerate(steps):
@@ -105,6 +105,26 @@ def test_two_ranks_with_different_gradients_send_the_same_kind_and_rank_every_st
     for step in range(1, STEPS):
         _kind, rank = _sent(steps[step][0])["w"]
         assert rank == agreed_rank(list(wants[step - 1]), agree), (step, wants[step - 1], rank)
+
+
+def test_three_ranks_follow_the_half_rule_not_one_rank_alone() -> None:
+    """Rank 2 wants the quantizer over steps 6-29, rank 1 also over 22-29: "half" sends
+    low-rank while 2 of 3 ranks want it, and quantizes when only rank 0 does ("any" would
+    pull both others along)."""
+    steps = _run(_pair("half", world_size=3))
+    wants = [tuple(_wants(p) for p in payloads) for payloads in steps]
+    for step, payloads in enumerate(steps):
+        assert _sent(payloads[1]) == _sent(payloads[0]) == _sent(payloads[2]), step
+    for step in range(1, STEPS):
+        _kind, rank = _sent(steps[step][0])["w"]
+        assert rank == agreed_rank(list(wants[step - 1]), "half"), (step, wants[step - 1], rank)
+        assert (rank > 0) == (sum(w > 0 for w in wants[step - 1]) >= 2), (step, wants[step - 1])
+    # Both cases happened: 2 of 3 wanting (sent low-rank) and 1 of 3 (quantized).
+    two_of_three = [s for s in range(1, STEPS) if sum(w > 0 for w in wants[s - 1]) == 2]
+    one_of_three = [s for s in range(1, STEPS) if sum(w > 0 for w in wants[s - 1]) == 1]
+    assert two_of_three and one_of_three, wants
+    assert all(_sent(steps[s][0])["w"][0] == "LowRankRecord" for s in two_of_three)
+    assert all(_sent(steps[s][0])["w"] == ("QuantRecord", 0) for s in one_of_three)
 
 
 def _padded(steps: list[list[bytes]]) -> int:
@@ -223,3 +243,8 @@ def test_the_rule_itself() -> None:
     assert agreed_rank([0, 16], "any") == 16
     assert agreed_rank([0, 0], "any") == agreed_rank([], "all") == 0
     assert agreed_rank([4], "all") == 4  # one rank alone sends what it wants
+    assert agreed_rank([0, 16], "half") == 16  # on 2 ranks "half" is "any"
+    assert agreed_rank([0, 0, 8], "half") == 0  # 1 of 3: everyone quantizes
+    assert agreed_rank([0, 4, 8], "half") == 8  # 2 of 3: the largest wanted rank
+    assert agreed_rank([0, 0, 4, 8], "half") == 8  # exactly half
+    assert agreed_rank([4], "half") == 4 and agreed_rank([0], "half") == 0
