@@ -11,8 +11,9 @@ travels in the layer's record (``QuantRecord.want`` / ``LowRankRecord.want``, on
 layer header). Every rank decodes every rank's payload, so after step t's exchange all ranks
 hold the same wants and apply the same rule (``agreed_rank``, ``TailConfig.lowrank_agree``):
 "half" (the default), low-rank iff at least half the ranks want it, "any", iff some rank
-does, or "all", iff every rank does, at the largest wanted rank; otherwise quantized. Step t+1 sends that, on every rank. Only integers decoded from the
-same payloads go into it, so it is the same on every rank and CPU.
+does, or "all", iff every rank does, at the largest wanted rank; otherwise quantized. Step
+t+1 sends that, on every rank. Only integers decoded from the same payloads go into it, so it
+is the same on every rank and CPU.
 
 A layer no exchange has shown yet (the first step, a new world after a resize, a peer whose
 payload carries no want: an older build) is quantized: the safe choice, as every rank can send
@@ -50,7 +51,8 @@ def agreed_rank(wants: Sequence[int], rule: str = "half") -> int:
     W - 1 ranks whose choosers judged the factors too lossy for their own M along with it.
     """
     wanting = sum(1 for w in wants if w >= 1)
-    if wanting == 0 or (rule == "all" and wanting < len(wants)) or (rule == "half" and 2 * wanting < len(wants)):
+    too_few = {"all": wanting < len(wants), "half": 2 * wanting < len(wants), "any": False}[rule]
+    if wanting == 0 or too_few:
         return 0
     return max(wants)
 

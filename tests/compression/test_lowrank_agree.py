@@ -45,7 +45,8 @@ def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def _pair(agree: str = "all", world_size: int = 2) -> list[TailCompressor]:
     settings: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
-    return [TailCompressor(TailConfig(**settings, lowrank_agree=agree, seed=7 + r)) for r in range(world_size)]
+    configs = [TailConfig(**settings, lowrank_agree=agree, seed=7 + r) for r in range(world_size)]
+    return [TailCompressor(config) for config in configs]
 
 
 def _sent(payload: bytes) -> dict[str, tuple[str, int]]:
