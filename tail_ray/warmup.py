@@ -23,6 +23,7 @@ from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import compress_lowrank
+from tail_ray.compression.lowrank_kernels import captured_energy_arrays
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import QuantRecord
@@ -84,10 +85,11 @@ def _compressors() -> None:
     # Tail's low-rank layers (lowrank="auto"): factors, their product, the LOWRANK code.
     matrix = rng.standard_normal(64 * 96).astype(np.float32)
     q_warm = torch.from_numpy(rng.standard_normal((96, 4)).astype(np.float32))
-    record, _q, _product = compress_lowrank(
+    record, q_next, _product = compress_lowrank(
         "lowrank", matrix, 64, 96, q_warm, bits=8, bucket_size=512, seed=0
     )
     decode_payload(encode_payload([record])[0])
+    captured_energy_arrays(q_next.numpy())  # the chooser's trials: Gram, Jacobi, rotation
 
 
 def _means(max_world: int) -> None:

@@ -91,6 +91,14 @@ class LowRankSettings:
             raise ConfigError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
 
+def random_directions(cols: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """``width`` random start directions (cols x width, float32 +-1): a power iteration's
+    start needs only directions in general position. Signs from the generator's integers:
+    torch's Gaussian draws take a vector path (AVX2 or not) chosen by the CPU, its integer
+    draws do not, so the same seed gives the same directions on every machine."""
+    return torch.randint(0, 2, (cols, width), generator=gen, dtype=torch.int8).to(torch.float32) * 2 - 1
+
+
 class LowRankChooser:
     """See the module docstring. One per compressor; state per layer name."""
 
@@ -137,7 +145,7 @@ class LowRankChooser:
             return q
         if q is not None and have > width:
             return captured_energy(q)[1][:, :width].contiguous()
-        extra = torch.randn(cols, width - have, generator=self._gen)
+        extra = random_directions(cols, width - have, self._gen)
         return extra if q is None else torch.cat((q, extra), dim=1).contiguous()
 
     def ranks(self) -> dict[str, int]:
@@ -240,7 +248,7 @@ class LowRankChooser:
             # A cold start: from random directions one iteration underestimates what rank r
             # keeps (measured on digits: fc1 then entered 80-280 steps later or not at
             # all, 11.4x instead of 16.8x over 5 seeds); later trials start from the last Q.
-            q = torch.randn(layer.cols, top, generator=self._gen)
+            q = random_directions(layer.cols, top, self._gen)
             iterations = 2
         for _ in range(iterations):
             _p, q = power_step(m, q)

@@ -1,6 +1,6 @@
 """The linear algebra of the low-rank chooser's estimates: what each rank of a power
 iteration's subspace keeps of M (an eigendecomposition of a small Gram matrix), and the
-once-per-process warm-up that keeps LAPACK's loading out of the first timed trial."""
+once-per-process warm-up that keeps the kernels' loading out of the first timed trial."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tail_ray.compression.lowrank import power_step
+from tail_ray.compression.lowrank_kernels import captured_energy_arrays
 
 
 def captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -16,25 +17,22 @@ def captured_energy(q: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     directions that keep it (cols x R, best first: next step's warm start).
 
     That energy is the top r eigenvalues of the R x R Gram matrix Q^T Q (= the squared
-    singular values of Q); an eigendecomposition of it costs a few microseconds where an SVD
-    of Q cost ~150 us."""
-    gram = (q.T.double() @ q.double()).numpy()
-    values, vectors = np.linalg.eigh(gram)  # ascending
-    order = values.argsort()[::-1]
-    captured = np.cumsum(np.clip(values[order], 0.0, None))
-    basis = q @ torch.from_numpy(vectors[:, order].astype(np.float32))
-    return captured, basis
+    singular values of Q). Fixed-order kernels (compression/lowrank_kernels.py: the Gram
+    product, cyclic Jacobi, the rotation), not LAPACK, so the choice it feeds is the same on
+    every CPU: 0.06-0.2 ms for cols 128-1024 at R = 16 here (LAPACK's eigh: 0.05-0.07 ms)."""
+    captured, basis = captured_energy_arrays(q.detach().cpu().numpy())
+    return captured, torch.from_numpy(basis)
 
 
 _linalg_warm = False  # warm_linalg ran in this process
 
 
 def warm_linalg() -> None:
-    """One tiny trial's linear algebra (QR, the float64 Gram product, eigh), once per process.
+    """One tiny trial's linear algebra (power step, Gram product, Jacobi), once per process.
 
-    A process's first QR and eigh load LAPACK's code. In the benchmark's LM workers the
-    first trial's first power step cost 0.6-4.4 ms of CPU (~0.2 ms later), once 46 ms of
-    wall (code pages not resident on a loaded host), and at step 20, where every layer has
+    A process's first call loads the kernels (numba's cache; LAPACK's code when this ran
+    through it: in the benchmark's LM workers the first trial's first power step then cost
+    0.6-4.4 ms of CPU, ~0.2 ms later, once 46 ms of wall), at step 20, where every layer has
     its first trial. Fixed inputs and no generator: no later draw, bit or choice changes."""
     global _linalg_warm
     if _linalg_warm:

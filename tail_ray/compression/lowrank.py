@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from tail_ray.compression.lowrank_kernels import power_step_arrays
 from tail_ray.compression.quantize import dequantize, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.records import LowRankRecord
 
@@ -105,9 +106,10 @@ def _quantize_factor(x: np.ndarray, bits: int, bucket_size: int, seed: int) -> t
 def power_step(m: torch.Tensor, q_warm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One power iteration of ``m`` (rows x cols) from ``q_warm`` (cols x rank): (P, Q) with P
     orthonormal (rows x rank) and Q = m^T P (cols x rank). A column of m Q_warm that vanishes
-    (a zero gradient, rank above m's) gives a zero column of Q: it sends nothing."""
-    p, _ = torch.linalg.qr(m @ q_warm)
-    return p, m.T @ p
+    (a zero gradient, rank above m's) gives a zero column of P and Q: it sends nothing.
+    Fixed-order kernels (lowrank_kernels.py), not BLAS: the same factors on every CPU."""
+    p, q = power_step_arrays(m.detach().cpu().numpy(), q_warm.detach().cpu().numpy())
+    return torch.from_numpy(p), torch.from_numpy(q)
 
 
 def compress_lowrank(

@@ -22,6 +22,7 @@ import torch
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
+from tail_ray.compression.lowrank_kernels import captured_energy_arrays, power_step_arrays
 from tail_ray.compression.quantize import (
     dequantize,
     mean_dequantized_into,
@@ -181,7 +182,48 @@ def digests() -> dict[str, str]:
         out[f"tail_payloads{suffix}"] = _digest(payloads)
         out[f"tail_decoded{suffix}"] = _digest(decoded_bits)
     out["sharded"] = _digest(_sharded_steps())
+    out["lowrank_kernels"] = _digest(_lowrank_kernel_outputs())
+    out["tail_lowrank_agreed"] = _digest(_lowrank_steps())
     return out
+
+
+def _lowrank_kernel_outputs() -> list[np.ndarray | bytes | float | int]:
+    """The low-rank path's power step and energy (lowrank_kernels.py) on awkward shapes: row
+    counts that leave a partial block of four, a warm start with a repeated column (a zero
+    direction) and a layer of huge values."""
+    rng = np.random.default_rng(11)
+    parts: list[np.ndarray | bytes | float | int] = []
+    for rows, cols, rank, scale in ((131, 257, 8, 1e-2), (64, 1000, 16, 3e30), (7, 5, 3, 1.0)):
+        m = (rng.standard_t(3, size=(rows, cols)) * scale).astype(np.float32)
+        q = rng.standard_normal((cols, rank)).astype(np.float32)
+        q[:, -1] = q[:, 0]
+        p, q_next = power_step_arrays(m, q)
+        captured, basis = captured_energy_arrays(q_next)
+        parts += [p, q_next, captured, basis]
+    return parts
+
+
+def _lowrank_steps() -> list[np.ndarray | bytes | float | int]:
+    """Two ranks with ``lowrank="auto"`` (agreed choice) on a rank-2 matrix plus noise: the
+    choosers' trials, the agreement, the factors and their error feedback, 24 steps."""
+    settings = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
+    ranks = [TailCompressor(TailConfig(**settings, seed=7 + r)) for r in range(2)]  # type: ignore[arg-type]
+    rng = np.random.default_rng(12)
+    u, v = rng.standard_normal((128, 2)), rng.standard_normal((256, 2))
+    parts: list[np.ndarray | bytes | float | int] = []
+    for _ in range(24):
+        payloads = []
+        for comp in ranks:
+            w = (u @ v.T + 0.01 * rng.standard_normal((128, 256))).astype(np.float32)
+            grads = {"w": torch.from_numpy(w), "b": torch.from_numpy(w[0, :64].copy())}
+            payloads.append(comp.compress(grads))
+            parts.append(repr([(s.layer, s.code, s.encoded_bytes) for s in comp.last_stats]).encode())
+        for r, comp in enumerate(ranks):
+            into = {"w": torch.zeros(128, 256), "b": torch.zeros(64)}
+            comp.aggregate(payloads, into, own=r)
+            parts.append(into["w"].numpy())
+        parts += payloads
+    return parts
 
 
 def _tail_steps(config: TailConfig) -> tuple[list[np.ndarray | bytes | float | int], ...]:

@@ -298,13 +298,17 @@ def _digests_under(extra_env: dict[str, str], cache_dir: Path | None) -> subproc
 
 
 # Each build another CPU could give: numba compiling for plain x86-64 (SSE2, no FMA) and for
-# Haswell (AVX2 + FMA), and numpy's OpenBLAS running its SSE-only kernels, whose dot products
+# Haswell (AVX2 + FMA), numpy's OpenBLAS running its SSE-only kernels, whose dot products
 # round differently from the AVX2 / AVX-512 ones (a norm taken with np.linalg.norm once made the
 # decision digest differ between an Intel and an AMD CI machine).
 OTHER_BUILDS = {
     "numba generic": ({"NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": ""}, True),
     "numba haswell": ({"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}, True),
     "OpenBLAS Nehalem": ({"OPENBLAS_CORETYPE": "Nehalem"}, False),
+    # torch's MKL on its AVX2 kernels and ATen without vector kernels: the low-rank path's
+    # factors and random starts went through these and differed (tail_lowrank_agreed) until
+    # they moved to fixed-order kernels (lowrank_kernels.py).
+    "torch MKL AVX2": ({"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "default"}, False),
 }
 
 
