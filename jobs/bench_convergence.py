@@ -31,6 +31,7 @@ sharded from W = 3 on). Each worker's batch is the task's batch size at every W.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -162,6 +163,8 @@ class RunResult:
     tail_tau: dict[str, float] | None = None  # layer -> tau at the end
     tail_noise: dict[str, float] | None = None  # layer -> relative SGD noise estimate
     tail_bits_history: dict[str, list[int]] | None = None  # layer -> bits at every step (32 = raw)
+    # layer -> low-rank rank at every step (0: not low-rank; its bits above are the factors')
+    tail_lowrank_history: dict[str, list[int]] | None = None
     tail_stage_two_bits: dict[str, int] | None = None  # the second stage's, as tail_bits (rank 0)
     tail_lowrank: dict[str, dict[str, int]] | None = None  # layer -> {"r8": steps sent at rank 8}, 2nd half
     tail_rel_error: list[float | None] | None = None  # mean estimated error, stage one / two (2nd half)
@@ -275,6 +278,7 @@ def _train_one(
     bits_elems_two: Counter = Counter()  # sharded / hierarchical: the second stage's
     errors: tuple[list[float], list[float]] = ([], [])  # estimated relative error, stage one / two
     bits_history: dict[str, list[int]] = {}
+    lowrank_history: dict[str, list[int]] = {}
     lowrank_steps: dict[str, Counter] = {}  # layer -> rank -> steps sent low-rank (2nd half)
     choices: list[str] = []  # per 2nd-half step: the layers sent low-rank and their ranks
     decision_s: list[float] = []  # Tail's controller, per step (rank 0's is reported)
@@ -308,6 +312,9 @@ def _train_one(
         if method == "tail":
             for layer in m.layers:
                 bits_history.setdefault(layer.layer, []).append(layer.bits)
+                lowrank = layer.code.startswith("lowrank")  # code "lowrank-r<rank>"
+                rank_sent = int(layer.code.removeprefix("lowrank-r")) if lowrank else 0
+                lowrank_history.setdefault(layer.layer, []).append(rank_sent)
         if method == "tail" and step >= steps // 2:
             choices.append(
                 ";".join(sorted(f"{x.layer}={x.code}" for x in m.layers if x.code.startswith("lowrank")))
@@ -334,6 +341,7 @@ def _train_one(
     extra = _tail_details(state, bits_elems, compress_s, decision_s) if method == "tail" else {}
     if method == "tail":
         extra["tail_bits_history"] = bits_history
+        extra["tail_lowrank_history"] = lowrank_history
         extra["tail_lowrank"] = {name: dict(sorted(c.items())) for name, c in lowrank_steps.items()}
         if bits_elems_two:
             total = sum(bits_elems_two.values())
@@ -574,12 +582,19 @@ def print_bits_over_steps(results: list[dict[str, Any]], columns: int = 12) -> N
         if not history:
             continue
         shown, table = bits_over_steps(history, columns)
-        print(f"\n[{r['task']} / {r['label']}] bits per layer over steps (32 = raw)")
+        ranks = r.get("tail_lowrank_history") or {}
+        print(f"\n[{r['task']} / {r['label']}] bits per layer over steps (32 = raw, rN = low-rank at rank N)")
         width = max(len("layer"), *(len(name) for name in table))
         print(f"{'layer':<{width}} " + " ".join(f"{s:>4}" for s in shown) + f" {'changes':>8}")
         for name, row in table.items():
-            changes = sum(a != b for a, b in zip(history[name], history[name][1:], strict=False))
-            print(f"{name:<{width}} " + " ".join(f"{b:>4}" for b in row) + f" {changes:>8}")
+            layer_ranks = ranks.get(name, [])
+            kinds = list(zip(history[name], layer_ranks or [0] * len(history[name]), strict=False))
+            changes = sum(a != b for a, b in itertools.pairwise(kinds))
+            cells = [
+                f"r{layer_ranks[step]}" if step < len(layer_ranks) and layer_ranks[step] else str(bits)
+                for step, bits in zip(shown, row, strict=True)
+            ]
+            print(f"{name:<{width}} " + " ".join(f"{c:>4}" for c in cells) + f" {changes:>8}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -95,9 +95,10 @@ def plot_bits_per_layer(rows: list[dict[str, Any]], out: Path) -> Path | None:
 def write_bits_plot(
     rows: list[dict[str, Any]], path: Path, titles: dict[str, str] | None = None
 ) -> Path | None:
-    """One heat map per tail row: quantized layers down, steps across, colour = bits chosen
-    (overlapping step lines of a dozen layers could not be told apart). ``titles`` names a
-    row's label in words (e.g. the settings of a ``tail*1`` variant). None without tail rows."""
+    """One heat map per tail row: quantized layers down, steps across, colour = bits chosen,
+    or one colour of its own for a step the layer went as low-rank factors (overlapping step
+    lines of a dozen layers could not be told apart). ``titles`` names a row's label in words
+    (e.g. the settings of a ``tail*1`` variant). None without tail rows."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import BoundaryNorm, ListedColormap
@@ -106,23 +107,30 @@ def write_bits_plot(
     if not tails:
         return None
     widths = (2, 3, 4, 5, 6, 7, 8)
-    cmap = ListedColormap(plt.get_cmap("viridis")(np.linspace(0, 1, len(widths))))
-    norm = BoundaryNorm([b - 0.5 for b in widths] + [widths[-1] + 0.5], cmap.N)
+    lowrank = widths[-1] + 1  # the grid value of a low-rank step (its "bits" are the factors')
+    colours = [*plt.get_cmap("viridis")(np.linspace(0, 1, len(widths))), (0.84, 0.15, 0.16, 1.0)]
+    cmap = ListedColormap(colours)
+    norm = BoundaryNorm([b - 0.5 for b in (*widths, lowrank)] + [lowrank + 0.5], cmap.N)
     fig, axes = plt.subplots(len(tails), 1, figsize=(10, 1.2 + 2.6 * len(tails)), squeeze=False)
     for ax, r in zip(axes[:, 0], tails, strict=True):
         # Raw layers (32 bits throughout) are not the controller's choice: left out.
         layers = {k: v for k, v in r["tail_bits_history"].items() if min(v) < 32}
         steps = max(len(v) for v in layers.values())
+        ranks = r.get("tail_lowrank_history") or {}
         grid = np.full((len(layers), steps), np.nan)
-        for i, bits in enumerate(layers.values()):
-            grid[i, : len(bits)] = [b if b < 32 else np.nan for b in bits]
+        for i, (name, bits) in enumerate(layers.items()):
+            sent = ranks.get(name, [0] * len(bits))
+            grid[i, : len(bits)] = [
+                lowrank if rank else (b if b < 32 else np.nan) for b, rank in zip(bits, sent, strict=False)
+            ]
         changes = sum(int(np.count_nonzero(np.diff(row[~np.isnan(row)]))) for row in grid)
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
         ax.set_yticks(range(len(layers)), list(layers), fontsize=6)
         ax.set_xlabel("step")
         label = (titles or {}).get(r["label"], r["label"])
         ax.set_title(f"{r['task']} ({label}): bits per layer over training, {changes} changes", fontsize=9)
-        fig.colorbar(im, ax=ax, ticks=widths, label="bits")
+        bar = fig.colorbar(im, ax=ax, ticks=(*widths, lowrank), label="bits")
+        bar.ax.set_yticklabels([*map(str, widths), "low-rank"])
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")  # long layer names on the y axis

@@ -43,6 +43,8 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     for row in (tail, model):
         history = row["tail_bits_history"]
         assert history and all(len(bits) == 6 for bits in history.values())
+        assert row["tail_lowrank_history"].keys() == history.keys()
+        assert all(len(ranks) == 6 for ranks in row["tail_lowrank_history"].values())
         assert any(b < 32 for bits in history.values() for b in bits)
         assert 0 < row["tail_decision_share"] < 1
         # The steady share leaves out the first steps (kernel loading): their cost is apart.
@@ -64,6 +66,25 @@ def test_bits_over_steps_samples_evenly_and_drops_raw_layers():
     assert shown == [0, 3, 6, 9]
     assert table == {"conv.weight": [8, 4, 3, 4]}
     assert bench_convergence.bits_over_steps({}, columns=4) == ([], {})
+
+
+def test_low_rank_steps_show_as_their_rank_not_as_the_factors_bits(tmp_path, capsys):
+    """A low-rank step's LayerStats.bits are the factors' (8): the table prints rN there and
+    the heat map gives it a colour of its own, and leaving low-rank counts as a change."""
+    row = {
+        "task": "digits",
+        "label": "tail",
+        "method": "tail",
+        "tail_bits_history": {"fc1.weight": [4, 4, 8, 8, 8, 4], "fc2.weight": [4, 4, 4, 3, 3, 4]},
+        "tail_lowrank_history": {"fc1.weight": [0, 0, 16, 16, 8, 0], "fc2.weight": [0] * 6},
+    }
+    bench_convergence.print_bits_over_steps([row], columns=6)
+    printed = capsys.readouterr().out.splitlines()
+    lines = {line.split()[0]: line.split()[1:] for line in printed if "weight" in line}
+    assert lines["fc1.weight"] == ["4", "4", "r16", "r16", "r8", "4", "3"]
+    assert lines["fc2.weight"] == ["4", "4", "4", "3", "3", "4", "2"]
+    png = bench_convergence.write_bits_plot([row], tmp_path / "bits.png", {})
+    assert png is not None and png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_bench_convergence_runs_more_workers_through_the_sharded_collective(tmp_path, capsys):
