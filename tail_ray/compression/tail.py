@@ -93,7 +93,9 @@ class TailCompressor(RecordCompressor):
         self.lowrank: LowRankChooser | None = None
         # What every rank sends, agreed from every rank's wants (bitwidth/lowrank_agree.py).
         self.agreement = RankAgreement(self.config.lowrank_agree)
-        if self.config.lowrank == "auto":
+        # Without error feedback "auto" quantizes every layer: a low-rank step leaves most of a
+        # gradient to the residual (an ablation's TailConfig(error_feedback=False) stays valid).
+        if self.config.lowrank == "auto" and self.config.error_feedback:
             self.lowrank = LowRankChooser(
                 self.config.lowrank_settings(),
                 bucket_size=self.config.bucket_size,

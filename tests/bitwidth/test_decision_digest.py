@@ -103,7 +103,12 @@ def _allocation_trace() -> list[bytes]:
 
 
 def _payload_trace(allocation: str) -> list[bytes]:
-    comp = TailCompressor(TailConfig(seed=5, allocation=allocation, redecide_every_steps=3))
+    # The quantizer's controller, as ef5f1b4's defaults had it: low-rank (default since issue
+    # 15's change) would take the matrices away from it, and 1024 would quantize the 1-4K layers.
+    config = TailConfig(
+        seed=5, allocation=allocation, redecide_every_steps=3, lowrank="off", raw_below_numel=4096
+    )
+    comp = TailCompressor(config)
     rng = np.random.default_rng(9)
     out: list[bytes] = []
     for step in range(10):

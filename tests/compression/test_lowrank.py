@@ -168,11 +168,9 @@ def _tail(**extra) -> TailCompressor:  # type: ignore[no-untyped-def]
     return TailCompressor(TailConfig(**config))
 
 
-def test_lowrank_needs_error_feedback_and_a_known_mode() -> None:
+def test_lowrank_needs_a_known_mode() -> None:
     with pytest.raises(ConfigError, match="lowrank"):
         TailConfig(lowrank="always")
-    with pytest.raises(ConfigError, match="error_feedback"):
-        TailConfig(lowrank="auto", error_feedback=False)
     with pytest.raises(ConfigError, match="lowrank_ranks"):
         TailConfig(lowrank="auto", lowrank_ranks=(0, 2))
     with pytest.raises(ConfigError, match="lowrank_target"):
@@ -259,10 +257,20 @@ def test_vectors_and_small_layers_are_never_lowrank() -> None:
     assert all(not st.code.startswith("lowrank") for st in comp.last_stats)
 
 
-def test_default_config_never_builds_a_chooser() -> None:
-    comp = TailCompressor(TailConfig(seed=1))
-    comp.compress({"w": _low_rank_gradient(128, 256, 2, 0)})
-    assert comp.lowrank is None
+def test_the_default_builds_a_chooser_and_off_or_no_error_feedback_never_does() -> None:
+    assert TailConfig().lowrank == "auto"
+    default = TailCompressor(TailConfig(seed=1))
+    codes = []
+    for step in range(40):  # past the warm-up and the first re-decision (step 20 here)
+        default.compress({"w": _low_rank_gradient(128, 256, 2, step)})
+        codes += [st.code for st in default.last_stats]
+    assert "lowrank-r2" in codes, codes
+    for config in (TailConfig(seed=1, lowrank="off"), TailConfig(seed=1, error_feedback=False)):
+        comp = TailCompressor(config)
+        for step in range(6):
+            comp.compress({"w": _low_rank_gradient(128, 256, 2, step)})
+            assert all(not st.code.startswith("lowrank") for st in comp.last_stats), (config, step)
+        assert comp.lowrank is None
 
 
 def test_sharded_compression_stays_quantized() -> None:
