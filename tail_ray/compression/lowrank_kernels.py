@@ -27,7 +27,7 @@ _JACOBI_MAX_SWEEPS = 50
 
 @njit(cache=True, nogil=True)
 def _project(m, q, out):  # type: ignore[no-untyped-def]
-    """out (rows x r) = m (rows x cols, float32) @ q (cols x r, float32 or float64); per output
+    """out (rows x r) = m (rows x cols, float32) @ q (cols x r, float32); per output
     a float64 sum over j in order. Four rows at a time share each loaded row of q."""
     rows, cols = m.shape
     r = q.shape[1]
