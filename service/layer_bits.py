@@ -30,6 +30,10 @@ class LayerBitsSeries(BaseModel):
     max_bits: list[int] = Field(
         description="Most bits any rank sent in the window (32 or 16: sent raw or all-reduced)."
     )
+    lowrank_share: list[float] = Field(
+        description="Fraction of the window's records (ranks x steps) that sent the layer as "
+        "low-rank factors (code lowrank-r<rank>); their bits are the factors' (8), not the layer's."
+    )
 
 
 class LayerBitsHistory(BaseModel):

@@ -6,12 +6,24 @@
 // viridis at 7 evenly spaced points, 2 (dark) .. 8 bits (light): what jobs/report.py plots.
 const BIT_COLOURS = { 2: "#440154", 3: "#443983", 4: "#31688e", 5: "#21918c", 6: "#35b779", 7: "#90d743", 8: "#fde725" };
 const RAW_COLOUR = "#d1d5db"; // 16/32 bits: the layer went raw (or all-reduced), no quantization
+// Sent as low-rank factors in most of the window's records: their "bits" are the factors' 8,
+// not the layer's, so the cell gets a colour of its own (report.py's red) instead of 8's yellow.
+const LOWRANK_COLOUR = "#d62728";
 const MIXED_DOT = "#dc2626";
+const MIXED_DOT_ON_LOWRANK = "#ffffff"; // the red dot would vanish on the low-rank red
 
-function bitColour(bits) {
+function cellColour(cell) {
+  if (cell.lowrank >= 0.5) return LOWRANK_COLOUR;
+  const bits = cell.bits;
   if (bits >= 16) return RAW_COLOUR;
   const b = Math.min(8, Math.max(2, Math.round(bits)));
   return BIT_COLOURS[b];
+}
+
+// The window held more than one choice: bits changed, ranks differed, or the layer went low-rank
+// in some of its records and quantized in others.
+function mixed(cell) {
+  return cell.min !== cell.max || (cell.lowrank > 0 && cell.lowrank < 1);
 }
 
 class BitsHeatmap {
@@ -43,7 +55,8 @@ class BitsHeatmap {
     const cells = layers.map((l) => {
       const row = new Array(columns).fill(null);
       l.steps.forEach((s, i) => {
-        row[key(s) - first] = { step: s, bits: l.bits[i], min: l.min_bits[i], max: l.max_bits[i] };
+        const lowrank = l.lowrank_share[i];
+        row[key(s) - first] = { step: s, bits: l.bits[i], min: l.min_bits[i], max: l.max_bits[i], lowrank };
       });
       return row;
     });
@@ -70,11 +83,11 @@ class BitsHeatmap {
       ctx.fillText(l.layer, box.x - 6, box.y + (r + 0.5) * rowH, labelW - 8);
       cells[r].forEach((c, k) => {
         if (!c) return;
-        ctx.fillStyle = bitColour(c.bits);
+        ctx.fillStyle = cellColour(c);
         // +0.5 px overlap: no hairline gaps between neighbouring cells
         ctx.fillRect(box.x + k * colW, box.y + r * rowH, colW + 0.5, rowH + 0.5);
-        if (c.min !== c.max && colW >= 4 && rowH >= 8) {
-          ctx.fillStyle = MIXED_DOT;
+        if (mixed(c) && colW >= 4 && rowH >= 8) {
+          ctx.fillStyle = c.lowrank >= 0.5 ? MIXED_DOT_ON_LOWRANK : MIXED_DOT;
           ctx.fillRect(box.x + (k + 0.5) * colW - 1, box.y + (r + 0.5) * rowH - 1, 2, 2);
         }
       });
@@ -88,9 +101,10 @@ class BitsHeatmap {
       ctx.fillText(`step ${(first + k) * w}`, x, box.y + box.h + 4);
     }
     this.model = { layers: layers.map((l) => l.layer), columns, width: w, first, cells, box, colW, rowH };
-    const changed = cells.reduce((n, row) => n + row.filter((c) => c && c.min !== c.max).length, 0);
+    const changed = cells.reduce((n, row) => n + row.filter((c) => c && mixed(c)).length, 0);
+    const lowrank = cells.reduce((n, row) => n + row.filter((c) => c && c.lowrank >= 0.5).length, 0);
     this.status.textContent = `steps ${history.first_step}–${history.last_step}, ${w} step(s) per column; `
-      + `${changed} cell(s) where bits changed or ranks differed (dot)`;
+      + `${changed} cell(s) where bits or kind changed or ranks differed (dot); ${lowrank} low-rank cell(s)`;
     return this.model;
   }
 
@@ -111,6 +125,8 @@ class BitsHeatmap {
     const lo = (m.first + k) * m.width;
     const range = m.width > 1 ? `steps ${lo}–${lo + m.width - 1}` : `step ${lo}`;
     const spread = c.min === c.max ? `${c.min} bits` : `${c.bits.toFixed(2)} bits (${c.min}–${c.max})`;
-    this.canvas.title = `${m.layers[r]} · ${range} · ${spread}`;
+    const kind = c.lowrank >= 1 ? " · low-rank factors"
+      : c.lowrank > 0 ? ` · low-rank factors in ${Math.round(100 * c.lowrank)}% of records` : "";
+    this.canvas.title = `${m.layers[r]} · ${range} · ${spread}${kind}`;
   }
 }

@@ -47,19 +47,32 @@ def _push(job_id: str, steps: range, ratio_scale: float) -> None:
         ray.get(sink.push.remote(step_records(job_id, step, ratio_scale=ratio_scale)))
 
 
+def _push_lowrank(job_id: str) -> None:
+    """Steps 6 and 7, where the last layer goes as rank-4 factors (bits 8, the factors'): on both
+    ranks at step 6, on rank 0 alone at step 7."""
+    sink = get_or_create_sink(job_id)
+    for step in (6, 7):
+        records = step_records(job_id, step)
+        for rec in records:
+            if rec["type"] == "layer" and rec["layer"] == LAYERS[-1] and (step == 6 or rec["rank"] == 0):
+                rec.update(bits=8, code="lowrank-r4")
+        ray.get(sink.push.remote(records))
+
+
 def _layer_ratios(page: Page) -> list[float]:
     return page.evaluate("() => window.tailDashboard.charts.layer.data.datasets[0].data")
 
 
 def _bits_pixel(page: Page, row: int, column: int) -> list[int]:
-    """The RGB the heat map painted at a cell's centre (device pixels)."""
+    """The RGB the heat map painted at a cell's centre (device pixels; the pixel below and right
+    of it, floor not round, so that it lies inside the 2 px dot of a mixed window)."""
     return page.evaluate(
         """([row, column]) => {
             const chart = window.tailDashboard.bitsChart;
             const { x, y } = chart.cellCentre(row, column);
             const dpr = window.devicePixelRatio || 1;
             const ctx = chart.canvas.getContext("2d");
-            const px = ctx.getImageData(Math.round(x * dpr), Math.round(y * dpr), 1, 1);
+            const px = ctx.getImageData(Math.floor(x * dpr), Math.floor(y * dpr), 1, 1);
             return Array.from(px.data.slice(0, 3));
         }""",
         [row, column],
@@ -135,6 +148,22 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         assert page.locator("#ratio").inner_text().endswith("\u00d7")  # the multiplication sign
         _check_bits_heat_map(page, steps=6)
 
+        # The last layer goes low-rank: its cells take the low-rank colour, not 8 bits' yellow,
+        # and step 7 (one rank of two low-rank) carries the dot of a mixed window.
+        _push_lowrank(job_id)
+        page.wait_for_function("() => window.tailDashboard.bitsChart.model?.columns === 8", timeout=30_000)
+        model = page.evaluate("() => window.tailDashboard.bitsChart.model")
+        low = model["cells"][len(LAYERS) - 1]
+        assert [c["lowrank"] for c in low] == [0] * 6 + [1, 0.5]
+        assert all(c["lowrank"] == 0 for row in model["cells"][:-1] for c in row)
+        lowrank_red, mixed_dot = [214, 39, 40], [255, 255, 255]
+        assert _bits_pixel(page, len(LAYERS) - 1, 6) == lowrank_red
+        assert _bits_pixel(page, len(LAYERS) - 1, 7) == mixed_dot
+        assert _bits_pixel(page, 0, 6) not in (lowrank_red, mixed_dot)  # quantized at 2 + 6 % 6 bits
+        assert _bits_pixel(page, 0, 6) == _bits_pixel(page, 0, 0)
+        status = page.locator("#bits-status").inner_text()
+        assert "1 cell(s) where bits or kind changed" in status and "2 low-rank cell(s)" in status, status
+
         # All of that came over one server-sent-event stream: the page never polled the metric
         # routes, and it got step, summary and layers events for both rounds of steps. The bits
         # history is the one read beside it, made only after a `layers` event said the metrics
@@ -144,15 +173,15 @@ def test_dashboard_shows_layers_and_follows_the_steps(head: LocalRayHead, tmp_pa
         polled = [u for u in requests if "/metrics/" in u and "/metrics/stream" not in u and u not in bits]
         assert len(streams) == 1 and polled == [], (streams, polled)
         events = page.evaluate("() => window.tailDashboard.state.events")
-        assert events["step"] >= 5 and events["summary"] >= 2 and events["layers"] >= 2, events
+        assert events["step"] >= 7 and events["summary"] >= 2 and events["layers"] >= 2, events
         assert 2 <= len(bits) <= events["layers"], (bits, events)
         assert not page.evaluate("() => window.tailDashboard.state.ended")
 
-        # The job ends: its metrics drain, step 5 becomes final, and the stream says `end`.
+        # The job ends: its metrics drain, step 7 becomes final, and the stream says `end`.
         with open_storage(db) as store:
             store.update_job_status(job_id, "SUCCEEDED", ended_at=time.time() - 60)
         page.wait_for_function("() => window.tailDashboard.state.ended", timeout=30_000)
-        assert page.evaluate("() => window.tailDashboard.state.lastStep") == 5
+        assert page.evaluate("() => window.tailDashboard.state.lastStep") == 7
         assert page.locator("#conn").inner_text() == "job ended; all metrics shown"
         page.wait_for_function(
             "() => document.getElementById('job-title').textContent.endsWith('SUCCEEDED')", timeout=30_000

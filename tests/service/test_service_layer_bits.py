@@ -19,14 +19,22 @@ from service.storage.layer_bits import window_width
 JOB = "bits-job"
 
 
+LOWRANK_LAYER = LAYERS[-1]
+
+
 def _records(steps: range) -> list[dict[str, Any]]:
     """Two ranks' records; bits differ by layer and step (service_support's pattern), and rank 1
-    sends one bit more than rank 0 on fc1.weight at odd steps (ranks decide independently)."""
+    sends one bit more than rank 0 on fc1.weight at odd steps (ranks decide independently).
+    The last layer goes as rank-4 factors (their 8 bits) from step 6 on, and on rank 0 alone at
+    step 3: a window can be all, some or none low-rank."""
     out = []
     for step in steps:
         for rec in step_records(JOB, step, ranks=2):
             if rec["type"] == "layer" and rec["layer"] == "fc1.weight" and rec["rank"] == 1 and step % 2:
                 rec = {**rec, "bits": rec["bits"] + 1}
+            lowrank = step >= 6 or (step, rec["rank"]) == (3, 0)
+            if rec["type"] == "layer" and rec["layer"] == LOWRANK_LAYER and lowrank:
+                rec = {**rec, "bits": 8, "code": "lowrank-r4"}
             out.append(rec)
     return out
 
@@ -51,6 +59,7 @@ def _expected(records: list[dict[str, Any]], width: int) -> dict[str, dict[str, 
             "bits": [sum(r["bits"] for r in c) / len(c) for c in cells],
             "min_bits": [min(r["bits"] for r in c) for c in cells],
             "max_bits": [max(r["bits"] for r in c) for c in cells],
+            "lowrank_share": [sum(r["code"].startswith("lowrank-") for r in c) / len(c) for c in cells],
         }
     return out
 
@@ -81,12 +90,17 @@ def test_every_step_is_its_own_window_while_they_fit(store: Storage) -> None:
         assert series["steps"] == list(range(10))
         assert series["bits"] == pytest.approx(want["bits"])
         assert series["min_bits"] == want["min_bits"] and series["max_bits"] == want["max_bits"]
+        assert series["lowrank_share"] == pytest.approx(want["lowrank_share"])
         assert series["numel"] == 1000 * (LAYERS.index(series["layer"]) + 1)
     # What the dashboard shows: bits differ across layers at one step, and over steps per layer.
     assert len({s["bits"][0] for s in got["layers"]}) == len(LAYERS)
     assert all(len(set(s["bits"])) > 1 for s in got["layers"])
     fc1 = next(s for s in got["layers"] if s["layer"] == "fc1.weight")
     assert [hi - lo for lo, hi in zip(fc1["min_bits"], fc1["max_bits"], strict=True)] == [0, 1] * 5
+    # The kind, per step: quantized, one rank of two low-rank at step 3, both from step 6.
+    low = next(s for s in got["layers"] if s["layer"] == LOWRANK_LAYER)
+    assert low["lowrank_share"] == [0, 0, 0, 0.5, 0, 0, 1, 1, 1, 1]
+    assert all(share == 0 for s in got["layers"] if s is not low for share in s["lowrank_share"])
 
 
 @pytest.mark.parametrize("max_points", [2, 3, 4, 7])
@@ -103,6 +117,7 @@ def test_longer_runs_are_cut_into_at_most_max_points_windows(store: Storage, max
         assert series["steps"] == want["steps"] and series["steps"][-1] == 39
         assert series["bits"] == pytest.approx(want["bits"])
         assert series["min_bits"] == want["min_bits"] and series["max_bits"] == want["max_bits"]
+        assert series["lowrank_share"] == pytest.approx(want["lowrank_share"])
 
 
 def test_hostile_steps_neither_overflow_nor_exceed_max_points(store: Storage) -> None:
@@ -152,6 +167,9 @@ def test_the_route_serves_the_history_through_the_cache_and_names_bad_fields(sto
             assert {s["layer"]: s["max_bits"] for s in body["layers"]} == {
                 k: v["max_bits"] for k, v in want.items()
             }
+            for series in body["layers"]:
+                assert series["lowrank_share"] == pytest.approx(want[series["layer"]]["lowrank_share"])
+            assert any(0 < share < 1 for share in body["layers"][-1]["lowrank_share"])  # the window of step 3
             cache = client.app.state.read_cache
             hits = cache.hits
             assert client.get(url, params={"max_points": 5}, headers=AUTH).json() == body
