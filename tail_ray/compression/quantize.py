@@ -55,15 +55,23 @@ from tail_ray.compression.grid import (
     levels_max,
     n_buckets,
 )
-from tail_ray.errors import ConfigError
+from tail_ray.compression.rounding import (
+    NEAREST_ON_DEVICE,
+    ROUNDING_MODES,
+    ROUNDINGS,
+    is_nearest,
+    layer_rounding,
+)
 
 __all__ = [
     "NEAREST_ON_DEVICE",
     "ROUNDINGS",
+    "ROUNDING_MODES",
     "UNIFORM_TABLE",
     "bucket_steps",
     "dequantize",
     "is_nearest",
+    "layer_rounding",
     "layer_seed",
     "levels_max",
     "mean_dequantized_into",
@@ -75,14 +83,6 @@ __all__ = [
     "sum_squares",
 ]
 
-# How a value between two levels is rounded: "stochastic" (the default, unbiased) or
-# "nearest" (halves away from zero: about half the error at the same bits, biased per call).
-ROUNDINGS = ("stochastic", "nearest")
-# The Triton kernels (quantizer and the controller's estimate) round stochastically only.
-NEAREST_ON_DEVICE = (
-    "rounding='nearest' runs on the CPU kernels only; the Triton (CUDA) path rounds stochastically: "
-    "use rounding='stochastic' for CUDA gradients"
-)
 _U16 = 1.0 / (1 << 16)
 _TABLE_SIZE = 1 << 16
 _CHUNK = 1024  # elements per random table offset
@@ -246,13 +246,6 @@ def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab, neare
         cnt, h = _round_bucket(xb, lb, tab, h, m, lm, inv_l, False, nearest)
         nnz += cnt
     return nnz
-
-
-def is_nearest(rounding: str) -> bool:
-    """Whether ``rounding`` is "nearest"; a ConfigError for anything not in ROUNDINGS."""
-    if rounding not in ROUNDINGS:
-        raise ConfigError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
-    return rounding == "nearest"
 
 
 def quantize_finite(

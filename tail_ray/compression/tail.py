@@ -29,7 +29,7 @@ from tail_ray.bitwidth.lowrank_agree import RankAgreement
 from tail_ray.bitwidth.lowrank_choice import LowRankChooser
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy
-from tail_ray.compression.device import LayerArray
+from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
@@ -37,6 +37,7 @@ from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord
+from tail_ray.compression.rounding import layer_rounding
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
 
@@ -100,7 +101,7 @@ class TailCompressor(RecordCompressor):
                 self.config.lowrank_settings(),
                 bucket_size=self.config.bucket_size,
                 seed=self._seed,
-                target=self.config.lowrank_target,
+                target=self.config.lowrank_target_for(),
             )
         self._shapes: dict[str, tuple[int, ...]] = {}
 
@@ -209,7 +210,7 @@ class TailCompressor(RecordCompressor):
             self.controller.invalidate(name)
         plan = self.controller.plan(name, g, residual, step, math.sqrt(sum_sq))
         if self.lowrank is not None:
-            nu_allowed = plan.rel_error if cfg.lowrank_target == "bits" else plan.tau
+            nu_allowed = plan.rel_error if self.lowrank.target == "bits" else plan.tau
             lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
             if lowrank is not None:
                 return lowrank
@@ -217,7 +218,8 @@ class TailCompressor(RecordCompressor):
         # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, cfg.rounding)
+        rounding = layer_rounding(cfg.rounding, isinstance(g, DeviceFlat))
+        record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, rounding)
         if self.lowrank is not None and self.lowrank.rank_of(name):
             record = replace(record, want=self.lowrank.rank_of(name))
         return CompressedLayer(record, plan.rel_error, nnz)

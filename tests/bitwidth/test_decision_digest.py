@@ -104,9 +104,15 @@ def _allocation_trace() -> list[bytes]:
 
 def _payload_trace(allocation: str) -> list[bytes]:
     # The quantizer's controller, as ef5f1b4's defaults had it: low-rank (default since issue
-    # 15's change) would take the matrices away from it, and 1024 would quantize the 1-4K layers.
+    # 15's change) would take the matrices away from it, 1024 would quantize the 1-4K layers,
+    # and nearest rounding (the CPU's default since then) has an error model of its own.
     config = TailConfig(
-        seed=5, allocation=allocation, redecide_every_steps=3, lowrank="off", raw_below_numel=4096
+        seed=5,
+        allocation=allocation,
+        redecide_every_steps=3,
+        lowrank="off",
+        raw_below_numel=4096,
+        rounding="stochastic",
     )
     comp = TailCompressor(config)
     rng = np.random.default_rng(9)

@@ -9,7 +9,9 @@ from tail_ray import ConfigError, TailCompressor, TailConfig
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.device import DeviceFlat
 from tail_ray.compression.quantize import (
+    ROUNDINGS,
     dequantize,
+    layer_rounding,
     levels_max,
     n_buckets,
     quantize,
@@ -98,14 +100,37 @@ def test_controller_picks_fewer_bits_for_nearest_at_the_same_budget():
 
 
 def test_rounding_setting_is_validated():
-    with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest'\]"):
+    with pytest.raises(ConfigError, match=r"rounding must be one of \['auto', 'stochastic', 'nearest'\]"):
         TailConfig(rounding="round")
     x = _heavy_tailed(1024, 0)
     with pytest.raises(ConfigError, match="rounding must be one of"):
         _quant(x, 4, rounding="Nearest")
     with pytest.raises(ConfigError, match="rounding must be one of"):
         relative_errors(x, None, 512, BITS, sample_numel=None, rng=np.random.default_rng(0), rounding="")
-    assert TailConfig().rounding == "stochastic"
+    assert TailConfig().rounding == "auto"
+    # "auto" is TailConfig's, resolved per layer: the kernels and the error model take only theirs.
+    with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest'\]"):
+        _quant(x, 4, rounding="auto")
+    assert [layer_rounding("auto", d) for d in (False, True)] == ["nearest", "stochastic"]
+    assert [layer_rounding(r, True) for r in ROUNDINGS] == list(ROUNDINGS)  # explicit: kept
+    with pytest.raises(ConfigError, match="rounding must be one of"):
+        layer_rounding("Auto", False)
+
+
+def test_the_low_rank_target_follows_the_rounding() -> None:
+    """lowrank_target "auto": "budget" where the CPU quantizer rounds to nearest (its residual
+    at the picked bits is about half what the budget priced), "bits" under stochastic rounding:
+    the two pairings measured (docs/engine.md, "Nearest rounding by default")."""
+    assert TailConfig().lowrank_target == "auto"
+    assert [TailConfig(rounding=r).lowrank_target_for() for r in ("auto", "nearest", "stochastic")] == [
+        "budget", "budget", "bits"
+    ]  # fmt: skip
+    for explicit in ("bits", "budget"):
+        assert TailConfig(rounding="nearest", lowrank_target=explicit).lowrank_target_for() == explicit
+    assert TailCompressor(TailConfig()).lowrank.target == "budget"  # type: ignore[union-attr]
+    assert TailCompressor(TailConfig(rounding="stochastic")).lowrank.target == "bits"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="lowrank_target must be one of"):
+        TailConfig(lowrank_target="tau")
 
 
 def test_the_device_path_refuses_nearest():

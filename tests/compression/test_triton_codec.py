@@ -309,11 +309,14 @@ def test_tail_payload_is_the_cpu_wire_format() -> None:
 def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same seed, same gradients: the controller's sampled statistics are the same bits on
     either backend, so it picks the same bit-widths and the scales agree (step 0: no residual
-    yet; from step 1 on the residuals differ by the rounding's random stream)."""
+    yet; from step 1 on the residuals differ by the rounding's random stream). Stochastic
+    rounding on both: under the default "auto" the CPU kernels round to nearest, whose error
+    model picks other bits (test_the_default_rounds_to_nearest_on_the_cpu_only)."""
     bits_by_backend = {}
     for backend in ("cpu", "triton"):
         monkeypatch.setenv(BACKEND_ENV, backend)
-        comp = TailCompressor(TailConfig(seed=9, sample_numel=512, redecide_every_steps=1))
+        config = TailConfig(seed=9, sample_numel=512, redecide_every_steps=1, rounding="stochastic")
+        comp = TailCompressor(config)
         bits, scales = [], []
         for step in range(1):
             comp.compress(_layers(10 + step))
@@ -324,6 +327,24 @@ def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyP
     assert bits_by_backend["cpu"][0] == bits_by_backend["triton"][0]
     for a, b in zip(bits_by_backend["cpu"][1][0], bits_by_backend["triton"][1][0], strict=True):
         np.testing.assert_array_equal(a, b)  # step 0: no residual yet, same inputs
+
+
+def test_the_default_rounds_to_nearest_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TailConfig's rounding "auto": the Triton path (no nearest kernel) sends what an explicit
+    "stochastic" sends, bit for bit, instead of refusing; the CPU kernels send what "nearest"
+    sends, which is not what "stochastic" sends."""
+
+    def payloads(backend: str, rounding: str) -> list[bytes]:
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        comp = TailCompressor(TailConfig(seed=9, sample_numel=512, lowrank="off", rounding=rounding))
+        return [comp.compress(_layers(20 + step)) for step in range(3)]
+
+    assert payloads("triton", "auto") == payloads("triton", "stochastic")
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        payloads("triton", "nearest")
+    cpu = payloads("cpu", "auto")
+    assert cpu == payloads("cpu", "nearest")
+    assert cpu != payloads("cpu", "stochastic")
 
 
 @pytest.mark.usefixtures("triton_backend")
