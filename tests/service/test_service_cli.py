@@ -228,7 +228,11 @@ def test_up_keeps_training_through_a_service_crash_and_exposes_nothing(
     created = api.post("/v1/jobs", json=spec)
     assert created.status_code == 201, created.text
     job_id = created.json()["id"]
-    assert created.json()["entrypoint"].startswith(f"{sys.executable} -m jobs.train ")
+    # The service's own interpreter: `tail-ray up` runs under whatever its console script names
+    # (python or python3.11, as pip wrote the shebang), the same binary as the test's.
+    exe, rest = created.json()["entrypoint"].split(" ", 1)
+    assert os.path.realpath(exe) == os.path.realpath(sys.executable), exe
+    assert rest.startswith("-m jobs.train "), rest
 
     def training() -> bool:
         job = api.get(f"/v1/jobs/{job_id}").json()
