@@ -69,8 +69,7 @@ class TailConfig:
         from zero: ~half the error at the same bits, biased per step, error feedback carries
         the bias on; CPU kernels only, a ConfigError on the Triton path). Default since issue
         15: 12.0x vs 9.5x on the LM at the same loss over 15 seeds, 26-31x vs 22-26x on
-        digits (docs/engine.md, "Round-to-nearest",
-        "Nearest rounding by default").
+        digits (docs/engine.md, "Round-to-nearest", "Nearest rounding by default").
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -148,12 +147,11 @@ class TailConfig:
             ("lowrank_target", LOWRANK_TARGETS),
             ("lowrank_agree", AGREE_RULES),
             ("bucket_choice", BUCKET_CHOICES),
+            ("rounding", ROUNDING_MODES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
-        if self.rounding not in ROUNDING_MODES:
-            raise ConfigError(f"rounding must be one of {list(ROUNDING_MODES)}, got {self.rounding!r}")
         factor_bits = self.lowrank_bits
         if not (isinstance(factor_bits, int | float) and float(factor_bits).is_integer()):
             raise ConfigError(f"lowrank_bits must be an integer in 2..8, got {factor_bits!r}")
