@@ -6,7 +6,7 @@ parameters, 604 MB; ``--quick``: 2 blocks of d=512), prints and optionally write
   codec rows    GB/s of fp32 gradient, compress and decompress-to-GPU, and the payload ratio:
                 device copy (the yardstick), fp16 cast, plain torch 4-bit bucket quantize +
                 nibble pack (no custom kernel), the Triton kernels alone (error feedback +
-                scales + stochastic levels + packing, on the device), and the project's
+                scales + nearest or stochastic levels + packing, on the device), and the project's
                 compressors end to end (qsgd-4, tail) on the Triton backend vs the CPU backend
                 (what CUDA gradients went through before: copy to host, numba, one thread)
   ddp rows      ms per training step of a 5.3M-parameter MLP under DDP at world size 1
@@ -196,28 +196,31 @@ def codec_rows(
     big = {k: DeviceFlat(g.reshape(-1).contiguous()) for k, g in grads.items() if g.numel() >= 4096}
     resid = {k: torch.zeros(g.size, device=device) for k, g in big.items()}
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def kernels_compress() -> None:
-        for k, g in big.items():
-            p, s, _, _ = device_codec.quantize_device(g, resid[k], 4, 512, 7)
-            out[k] = (p, s)
+    big_gb = 4 * sum(g.size for g in big.values()) / 1e9
 
     def kernels_decompress() -> None:
         for k, (p, s) in out.items():
             device_codec.dequantize(p, s, 4, 512, big[k].size)
 
-    c_s = best_s(kernels_compress, device, repeats)
-    sent = sum(p.numel() + 4 * s.numel() for p, s in out.values())
-    big_gb = 4 * sum(g.size for g in big.values()) / 1e9
-    rows.append(
-        CodecRow(
-            "triton kernels 4-bit (EF + scales + levels + pack)",
-            big_gb / c_s,
-            big_gb / best_s(kernels_decompress, device, repeats),
-            4 * sum(g.size for g in big.values()) / sent,
-            "on the device only: no entropy coding, nothing to the host",
+    # Both roundings side by side: nearest (Tail's default) draws no uniforms.
+    for rounding in ("nearest", "stochastic"):
+
+        def kernels_compress(rounding: str = rounding) -> None:
+            for k, g in big.items():
+                p, s, _, _ = device_codec.quantize_device(g, resid[k], 4, 512, 7, rounding)
+                out[k] = (p, s)
+
+        c_s = best_s(kernels_compress, device, repeats)
+        sent = sum(p.numel() + 4 * s.numel() for p, s in out.values())
+        rows.append(
+            CodecRow(
+                f"triton kernels 4-bit, {rounding}",
+                big_gb / c_s,
+                big_gb / best_s(kernels_decompress, device, repeats),
+                4 * sum(g.size for g in big.values()) / sent,
+                "EF + scales + levels + pack on the device only: no entropy coding",
+            )
         )
-    )
 
     compressors: list[tuple[str, Callable[[], Any]]] = [
         ("qsgd-4", lambda: QSGDCompressor(QSGDConfig(bits=4, seed=1))),

@@ -28,9 +28,9 @@ from tail_ray.bitwidth.allocate import LayerCurve, ModelAllocator, pick_bits
 from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES, choose_bucket
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors
-from tail_ray.compression.device import DeviceFlat, LayerArray
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import Residual
-from tail_ray.compression.rounding import layer_rounding
+from tail_ray.compression.rounding import kernel_rounding
 from tail_ray.errors import ConfigError
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
@@ -77,10 +77,9 @@ class BitController:
             raise ConfigError('bucket_choice "auto" needs allocation "layer"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
         self.policy = policy
-        # The quantizer's (a ROUNDING_MODES setting, resolved per layer by layer_rounding): the
-        # error model follows it. Checked here, not at the first estimate.
-        layer_rounding(rounding, False)
-        self.rounding = rounding
+        # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error
+        # model follows it. Checked here, not at the first estimate.
+        self.rounding = kernel_rounding(rounding)
         self.allocation = allocation
         self.layer_cap = layer_cap
         self.tau_max = tau_max
@@ -135,7 +134,7 @@ class BitController:
                 self.candidate_bits,
                 sample_numel=self.sample_numel,
                 rng=self._rng,
-                rounding=layer_rounding(self.rounding, isinstance(g, DeviceFlat)),
+                rounding=self.rounding,
             )
             values = nu.tolist()  # Python floats, the same values: cheaper to compare and keep
             j = self._pick(values, tau)
@@ -172,7 +171,7 @@ class BitController:
             self.candidate_bits,
             sample_numel=self.sample_numel,
             rng=self._rng,
-            rounding=layer_rounding(self.rounding, False),  # host arrays only (above)
+            rounding=self.rounding,
         )
         if pick is None:
             return plan

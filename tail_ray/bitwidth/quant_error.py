@@ -28,8 +28,7 @@ from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
-from tail_ray.compression.quantize import NEAREST_ON_DEVICE, is_nearest
-from tail_ray.errors import ConfigError
+from tail_ray.compression.quantize import is_nearest
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -138,12 +137,10 @@ def bucket_errors(
     """
     nearest = is_nearest(rounding)
     if isinstance(g, DeviceFlat):
-        if nearest:
-            raise ConfigError(NEAREST_ON_DEVICE)
         from tail_ray.compression import device_codec
 
         assert residual is None or isinstance(residual, torch.Tensor)
-        return device_codec.bucket_errors(g, residual, bucket_size, bucket_ids, candidate_bits)
+        return device_codec.bucket_errors(g, residual, bucket_size, bucket_ids, candidate_bits, rounding)
     assert residual is None or isinstance(residual, np.ndarray)
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g

@@ -4,7 +4,8 @@ One layer of a CUDA gradient takes three launches and small transfers:
 
     sum_squares        per-block float64 partials -> ||g||^2 (finiteness and the layer norm)
     bucket_errors      the controller's sampled nu_b estimate (a few thousand elements)
-    quantize           g + e, scales, stochastic levels, e' written in place, levels packed
+    quantize           g + e, scales, levels (stochastic or nearest), e' written in place,
+                       levels packed
 
 and only the bit-packed levels (bits/32 of the fp32 gradient), the scales (one float per
 bucket) and two scalars cross to the host, where the numba ``unpack_fixed`` turns them into
@@ -36,6 +37,7 @@ from tail_ray.compression.grid import (
     levels_max,
     n_buckets,
 )
+from tail_ray.compression.rounding import is_nearest
 from tail_ray.errors import CodecError
 
 # Elements per program of the elementwise kernels (pack, dequantize, mean, sum of squares).
@@ -65,9 +67,11 @@ def bucket_errors(
     bucket_size: int,
     bucket_ids: np.ndarray,
     candidate_bits: tuple[int, ...],
+    rounding: str = "stochastic",
 ) -> tuple[np.ndarray, float, int]:
     """``quant_error.bucket_errors`` on the device, the same bits: (sum of expected squared
-    errors per candidate, sum of squares, non-zero buckets) over ``bucket_ids``."""
+    errors per candidate under ``rounding``, sum of squares, non-zero buckets) over
+    ``bucket_ids``."""
     dev = g.tensor.device
     nc = len(candidate_bits)
     ids = torch.as_tensor(np.ascontiguousarray(bucket_ids, dtype=np.int64)).to(dev)
@@ -86,6 +90,7 @@ def bucket_errors(
         USE_E=use_e,
         NC=nc,
         NC_POW2=triton.next_power_of_2(nc),
+        NEAREST=is_nearest(rounding),
         **_EXACT,
     )
     host = out.cpu().numpy()
@@ -105,11 +110,18 @@ class DeviceQuantized:
 
 
 def quantize_device(
-    g: DeviceFlat, residual: torch.Tensor | None, bits: int, bucket_size: int, seed: int
+    g: DeviceFlat,
+    residual: torch.Tensor | None,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    rounding: str = "stochastic",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel, results left on the device: (packed levels uint8 in the wire's
     ``bitpack`` layout, scales f32, per-bucket non-zero counts i32, per-bucket ||e'||^2 f64).
-    ``residual`` (float32, g's size, same device) becomes the new residual in place."""
+    ``residual`` (float32, g's size, same device) becomes the new residual in place.
+    ``rounding`` is a kernel rounding (quantize.ROUNDINGS); ``seed`` only feeds stochastic."""
+    nearest = is_nearest(rounding)
     if not 1 <= bucket_size <= MAX_DEVICE_BUCKET:
         raise ValueError(f"the Triton quantizer takes buckets of 1..{MAX_DEVICE_BUCKET}, got {bucket_size}")
     n, dev = g.size, g.tensor.device
@@ -140,6 +152,7 @@ def quantize_device(
         BLOCK=block,
         USE_E=use_e,
         PACK_BITS=bits if fuse_pack else 0,
+        NEAREST=nearest,
         **_EXACT,
     )
     if not fuse_pack:
@@ -148,11 +161,16 @@ def quantize_device(
 
 
 def quantize(
-    g: DeviceFlat, residual: torch.Tensor | None, bits: int, bucket_size: int, seed: int
+    g: DeviceFlat,
+    residual: torch.Tensor | None,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    rounding: str = "stochastic",
 ) -> DeviceQuantized:
     """Quantize on the device; bring the packed levels and the scales to the host as records
     need them. g must be finite (the caller checked ``sum_squares``)."""
-    packed, scales, nnz, err_sq = quantize_device(g, residual, bits, bucket_size, seed)
+    packed, scales, nnz, err_sq = quantize_device(g, residual, bits, bucket_size, seed, rounding)
     host_packed = packed.cpu().numpy()
     syms = np.empty(g.size, dtype=np.uint8)
     lmax = levels_max(bits)
@@ -246,10 +264,16 @@ def uniform_reference(seed: int, idx: np.ndarray) -> np.ndarray:
 
 
 def quantize_reference(
-    g: np.ndarray, residual: np.ndarray | None, bits: int, bucket_size: int, seed: int
+    g: np.ndarray,
+    residual: np.ndarray | None,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+    rounding: str = "stochastic",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The device quantizer in plain numpy (each operation an IEEE float32 op, as the kernel):
     (int8 levels, scales, new residual or None). The tests hold the kernel to these bits."""
+    nearest = is_nearest(rounding)
     x = np.asarray(g, dtype=np.float32).reshape(-1).copy()
     if residual is not None:
         with np.errstate(over="ignore"):
@@ -271,8 +295,12 @@ def quantize_reference(
         pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
         inv = np.float32(lmax) / (m * pre)
         step = m * inv_l
-        y = (np.abs(xb) * pre) * inv + u_all[lo:hi]
-        q = np.minimum(y.astype(np.int32), lmax)
+        t = (np.abs(xb) * pre) * inv
+        if nearest:  # floor(t), plus one where its exact fraction is at least a half
+            q = t.astype(np.int32)
+            q = np.minimum(q + (t - q.astype(np.float32) >= np.float32(0.5)), lmax)
+        else:
+            q = np.minimum((t + u_all[lo:hi]).astype(np.int32), lmax)
         lv = np.where(xb >= 0, q, -q)
         levels[lo:hi] = lv
         e_new[lo:hi] = xb - lv.astype(np.float32) * step

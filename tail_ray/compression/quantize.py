@@ -56,22 +56,20 @@ from tail_ray.compression.grid import (
     n_buckets,
 )
 from tail_ray.compression.rounding import (
-    NEAREST_ON_DEVICE,
     ROUNDING_MODES,
     ROUNDINGS,
     is_nearest,
-    layer_rounding,
+    kernel_rounding,
 )
 
 __all__ = [
-    "NEAREST_ON_DEVICE",
     "ROUNDINGS",
     "ROUNDING_MODES",
     "UNIFORM_TABLE",
     "bucket_steps",
     "dequantize",
     "is_nearest",
-    "layer_rounding",
+    "kernel_rounding",
     "layer_seed",
     "levels_max",
     "mean_dequantized_into",

@@ -51,7 +51,7 @@ from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.quantize import NEAREST_ON_DEVICE, n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
 from tail_ray.compression.records import (
     LayerRecord,
@@ -300,9 +300,7 @@ class RecordCompressor(Compressor):
     ) -> tuple[QuantRecord, int]:
         """Quantization of g + e in one fused pass (Tail's and qsgd's kernel), which also writes
         the new residual and its norm; returns the record and its non-zero levels. ``rounding``
-        "nearest" runs on the CPU kernel only (a ConfigError for a layer on the Triton path)."""
-        if isinstance(g, DeviceFlat) and rounding != "stochastic":
-            raise ConfigError(NEAREST_ON_DEVICE)
+        is a kernel rounding (quantize.ROUNDINGS), on either backend."""
         if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
             _warn_big_bucket(bucket_size)
             g = g.host()  # and its residual moves to the host with it (residual_of below)
@@ -311,7 +309,7 @@ class RecordCompressor(Compressor):
 
             res = self.residual_of(name, g)
             assert res is None or isinstance(res, torch.Tensor)
-            out = device_codec.quantize(g, res, bits, bucket_size, seed)
+            out = device_codec.quantize(g, res, bits, bucket_size, seed, rounding)
             if self.feedback is not None:
                 self.feedback.measured(name, out.err_sq)
             return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz

@@ -1,37 +1,33 @@
 """How a value between two levels is rounded, and which rounding a layer gets.
 
 The kernels (quantize.py, the controller's error model in bitwidth/quant_error.py) take a
-``ROUNDINGS`` value; ``TailConfig.rounding`` takes a ``ROUNDING_MODES`` one, whose "auto" is
-resolved per layer by ``layer_rounding``: the Triton path has no nearest kernel.
+``ROUNDINGS`` value, on either backend (the numba kernels and the Triton ones round the same
+way); ``TailConfig.rounding`` takes a ``ROUNDING_MODES`` one, whose "auto" is resolved by
+``kernel_rounding``.
 """
 
 from __future__ import annotations
 
 from tail_ray.errors import ConfigError
 
-__all__ = ["NEAREST_ON_DEVICE", "ROUNDINGS", "ROUNDING_MODES", "is_nearest", "layer_rounding"]
+__all__ = ["ROUNDINGS", "ROUNDING_MODES", "is_nearest", "kernel_rounding"]
 
 # How a value between two levels is rounded: "stochastic" (unbiased) or "nearest" (halves
 # away from zero: about half the error at the same bits, biased per call, which error feedback
 # carries into the next call).
 ROUNDINGS = ("stochastic", "nearest")
-# What TailConfig.rounding takes: a kernel's rounding, or "auto" (the default), resolved per
-# layer by ``layer_rounding``.
+# What TailConfig.rounding takes: a kernel's rounding, or "auto" (the default), resolved by
+# ``kernel_rounding``. "auto" stays a setting of its own so that a later, measured change of
+# the default reaches configs that did not pin one.
 ROUNDING_MODES = ("auto", *ROUNDINGS)
-# The Triton kernels (quantizer and the controller's estimate) round stochastically only.
-NEAREST_ON_DEVICE = (
-    "rounding='nearest' runs on the CPU kernels only; the Triton (CUDA) path rounds stochastically: "
-    "use rounding='auto' (the default: stochastic there) or 'stochastic' for CUDA gradients"
-)
 
 
-def layer_rounding(rounding: str, on_device: bool) -> str:
-    """The kernel rounding one layer gets from a ``ROUNDING_MODES`` setting: "auto" is nearest
-    on the CPU kernels and stochastic on the Triton path (``on_device``), which has no nearest
-    kernel; an explicit choice is kept (nearest on the Triton path then raises there, with
-    NEAREST_ON_DEVICE). A ConfigError for anything else."""
+def kernel_rounding(rounding: str) -> str:
+    """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is nearest, on the CPU
+    kernels and the Triton path alike (docs/engine.md, "Nearest rounding by default"); an
+    explicit choice is kept. A ConfigError for anything else."""
     if rounding == "auto":
-        return "stochastic" if on_device else "nearest"
+        return "nearest"
     is_nearest(rounding)
     return rounding
 

@@ -29,7 +29,7 @@ from tail_ray.bitwidth.lowrank_agree import RankAgreement
 from tail_ray.bitwidth.lowrank_choice import LowRankChooser
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy
-from tail_ray.compression.device import DeviceFlat, LayerArray
+from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
@@ -37,7 +37,7 @@ from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord
-from tail_ray.compression.rounding import layer_rounding
+from tail_ray.compression.rounding import kernel_rounding
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
 
@@ -218,7 +218,7 @@ class TailCompressor(RecordCompressor):
         # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        rounding = layer_rounding(cfg.rounding, isinstance(g, DeviceFlat))
+        rounding = kernel_rounding(cfg.rounding)
         record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, rounding)
         if self.lowrank is not None and self.lowrank.rank_of(name):
             record = replace(record, want=self.lowrank.rank_of(name))

@@ -64,12 +64,12 @@ class TailConfig:
         or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
         padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
         (docs/engine.md, "Agreed low-rank choice").
-    rounding: "auto" (the default: "nearest" on the CPU kernels, "stochastic" on the Triton
-        path, which has no nearest kernel), "stochastic" (unbiased) or "nearest" (halves away
-        from zero: ~half the error at the same bits, biased per step, error feedback carries
-        the bias on; CPU kernels only, a ConfigError on the Triton path). Default since issue
-        15: 12.0x vs 9.5x on the LM at the same loss over 15 seeds, 26-31x vs 22-26x on
-        digits (docs/engine.md, "Round-to-nearest", "Nearest rounding by default").
+    rounding: "auto" (the default: "nearest", on the CPU kernels and the Triton path alike),
+        "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at the
+        same bits, biased per step, error feedback carries the bias on; the same levels on
+        both backends, bit for bit). Default since issue 15: 12.0x vs 9.5x on the LM at the
+        same loss over 15 seeds, 26-31x vs 22-26x on digits (docs/engine.md, "Round-to-nearest",
+        "Nearest rounding by default").
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -160,7 +160,7 @@ class TailConfig:
 
     def lowrank_target_for(self) -> str:
         """The low-rank target in force: ``lowrank_target``, with "auto" resolved by the
-        rounding of the layers low-rank can take (the CPU kernels': nearest under "auto")."""
+        quantizer's rounding (nearest under "auto")."""
         if self.lowrank_target != "auto":
             return self.lowrank_target
         return "bits" if self.rounding == "stochastic" else "budget"

@@ -49,11 +49,13 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
         "inv_l": "fp32", "packed_bytes": "i32",
     }  # fmt: skip
     out: list[tuple[str, object, dict[str, str], dict[str, object]]] = []
-    for bits in (2, 3, 4, 8):
-        out.append((f"quantize_ef_pack{bits}", K._quantize_kernel, quant_sig,
-                    {"BLOCK": 512, "USE_E": True, "PACK_BITS": bits}))  # fmt: skip
-    out.append(("quantize_int8", K._quantize_kernel, {**quant_sig, "levels_ptr": "*i8"},
-                {"BLOCK": 128, "USE_E": False, "PACK_BITS": 0}))  # fmt: skip
+    # Round-to-nearest (Tail's default) and stochastic rounding are separate compiled kernels.
+    for nearest, tag in ((True, "nearest"), (False, "stochastic")):
+        for bits in (2, 3, 4, 8):
+            out.append((f"quantize_ef_pack{bits}_{tag}", K._quantize_kernel, quant_sig,
+                        {"BLOCK": 512, "USE_E": True, "PACK_BITS": bits, "NEAREST": nearest}))  # fmt: skip
+        out.append((f"quantize_int8_{tag}", K._quantize_kernel, {**quant_sig, "levels_ptr": "*i8"},
+                    {"BLOCK": 128, "USE_E": False, "PACK_BITS": 0, "NEAREST": nearest}))  # fmt: skip
     out.append(("pack4", K._pack_kernel,
                 {"levels_ptr": "*i8", "out_ptr": "*u8", "n": "i32", "lmax": "i32", "packed_bytes": "i32"},
                 {"BLOCK": 1024, "BITS": 4}))  # fmt: skip
@@ -65,10 +67,11 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                 {"levels_ptr": "*i8", "steps_ptr": _P32, "bucket_ptr": "*i64", "out_ptr": _P32, "n": "i32",
                  "world": "i32", "steps_stride": "i32"},
                 {"BLOCK": 1024}))  # fmt: skip
-    out.append(("bucket_errors", K._bucket_errors_kernel,
-                {"g_ptr": _P32, "e_ptr": _P32, "ids_ptr": "*i64", "n_ids": "i32", "n": "i32",
-                 "bucket_size": "i32", "lmax_ptr": "*i32", "out_ptr": _P64},
-                {"USE_E": True, "NC": 6, "NC_POW2": 8}))  # fmt: skip
+    for nearest, tag in ((True, "nearest"), (False, "stochastic")):
+        out.append((f"bucket_errors_{tag}", K._bucket_errors_kernel,
+                    {"g_ptr": _P32, "e_ptr": _P32, "ids_ptr": "*i64", "n_ids": "i32", "n": "i32",
+                     "bucket_size": "i32", "lmax_ptr": "*i32", "out_ptr": _P64},
+                    {"USE_E": True, "NC": 6, "NC_POW2": 8, "NEAREST": nearest}))  # fmt: skip
     out.append(("sum_squares", K._sum_squares_kernel, {"x_ptr": _P32, "partial_ptr": _P64, "n": "i32"},
                 {"BLOCK": 1024}))  # fmt: skip
     return out

@@ -7,9 +7,9 @@ by operation, so that on the same input and seed-independent parts the results a
 bits as the CPU path:
 
     _quantize_kernel      one program per bucket: x = sat(g + e), scale = max |x|, stochastic
-                          levels, e' = x - float32(level) * step, the levels bit-packed in the
-                          wire's ``bitpack`` layout (or int8), per-bucket non-zero count and
-                          ||e'||^2 partial
+                          or nearest levels (NEAREST), e' = x - float32(level) * step, the
+                          levels bit-packed in the wire's ``bitpack`` layout (or int8),
+                          per-bucket non-zero count and ||e'||^2 partial
     _pack_kernel          int8 levels -> the ``bitpack`` body (when buckets do not align to
                           byte groups of 8 levels, the quantizer writes int8 and this packs)
     _dequantize_kernel    packed levels -> float32(level) * step (the reference dequantizer)
@@ -25,7 +25,9 @@ division (``tl.fdiv(..., ieee_rounding=True)`` in float32, where the default may
 approximate; a float64 ``/`` is div.rn.f64). ``triton_aot`` compiles every kernel for sm_90
 without a GPU and checks the PTX for both.
 
-Randomness is the one part that differs from the CPU path, by design: the numba quantizer
+Round-to-nearest (Tail's default) has no randomness: its levels, and so the whole payload
+and residual, are the numba kernel's bit for bit. Stochastic rounding's randomness is the one
+part that differs from the CPU path, by design: the numba quantizer
 reads a shuffled table at offsets drawn from a splitmix64 chain that runs sequentially through
 the layer's buckets, which a GPU cannot reproduce without serialising. Here every element
 draws its own uniform from a counter-based hash of (seed, element index) (``_uniform``), so any
@@ -110,6 +112,7 @@ def _quantize_kernel(
     BLOCK: tl.constexpr,
     USE_E: tl.constexpr,
     PACK_BITS: tl.constexpr,
+    NEAREST: tl.constexpr,
 ):
     k = tl.program_id(0)
     lo = k.to(tl.int64) * bucket_size
@@ -125,10 +128,17 @@ def _quantize_kernel(
     pre = tl.where(safe_m < TINY_SCALE, TINY_PRESCALE, 1.0).to(tl.float32)
     inv = tl.fdiv(lmax.to(tl.float32), safe_m * pre, ieee_rounding=True)
     step = m * inv_l
-    u = _uniform(seed, offs)
-    # As the numba quantizer: each operation rounded on its own; y + u >= 0, so the
-    # truncating conversion is floor.
-    q = tl.minimum(((ax * pre) * inv + u).to(tl.int32), lmax)
+    t = (ax * pre) * inv  # as the numba quantizer: each operation rounded on its own
+    if NEAREST:
+        # quantize._nearest_chunk: t >= 0, so truncation is floor, and t - floor(t) is exact
+        # in float32 (no t + 1/2, which could carry a t just below a half up): halves away
+        # from zero, the same levels as the CPU kernel on every input.
+        q = t.to(tl.int32)
+        q = q + ((t - q.to(tl.float32)) >= 0.5).to(tl.int32)
+        q = tl.minimum(q, lmax)
+    else:
+        # t + u >= 0, so the truncating conversion is floor.
+        q = tl.minimum((t + _uniform(seed, offs)).to(tl.int32), lmax)
     q = tl.where(mask, tl.where(nonzero, q, 0), 0)
     lv = tl.where(x >= 0.0, q, -q)
     if USE_E:
@@ -227,10 +237,12 @@ def _bucket_errors_kernel(
     USE_E: tl.constexpr,
     NC: tl.constexpr,
     NC_POW2: tl.constexpr,
+    NEAREST: tl.constexpr,
 ):
     """quant_error._bucket_error_sums on the chosen buckets, in one program and in its order.
 
-    out[0:NC] = sum over buckets of (s / L_j)^2 * (fixed-lane float32 sum of f (1 - f)),
+    out[0:NC] = sum over buckets of (s / L_j)^2 * (fixed-lane float32 sum of f (1 - f), or of
+    min(f, 1 - f)^2 when NEAREST),
     out[NC] = the fixed-lane float64 sum of x^2 (lanes carried across buckets), out[NC + 1] =
     the number of non-zero buckets. One program on purpose: the CPU's sums are sequential per
     lane, and a sample is a few thousand elements.
@@ -265,7 +277,12 @@ def _bucket_errors_kernel(
                     x = _load_fed(g_ptr, e_ptr, lo + o, msk, USE_E)
                     y = (tl.abs(x) * pre) * inv
                     f = y - y.to(tl.int32).to(tl.float32)
-                    frac = frac + tl.where(msk, f * (1.0 - f), 0.0)
+                    if NEAREST:  # quant_error._frac_term: min(f, 1 - f)^2
+                        d = tl.minimum(f, 1.0 - f)
+                        term_f = d * d
+                    else:
+                        term_f = f * (1.0 - f)
+                    frac = frac + tl.where(msk, term_f, 0.0)
                 step = m.to(tl.float64) / lf.to(tl.float64)  # float64: IEEE div.rn.f64
                 term = step * step * _lanes_total(frac).to(tl.float64)
                 num = num + tl.where(cand == j, term, 0.0)

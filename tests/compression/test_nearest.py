@@ -7,11 +7,10 @@ import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig
 from tail_ray.bitwidth.quant_error import relative_errors
-from tail_ray.compression.device import DeviceFlat
 from tail_ray.compression.quantize import (
     ROUNDINGS,
     dequantize,
-    layer_rounding,
+    kernel_rounding,
     levels_max,
     n_buckets,
     quantize,
@@ -108,17 +107,17 @@ def test_rounding_setting_is_validated():
     with pytest.raises(ConfigError, match="rounding must be one of"):
         relative_errors(x, None, 512, BITS, sample_numel=None, rng=np.random.default_rng(0), rounding="")
     assert TailConfig().rounding == "auto"
-    # "auto" is TailConfig's, resolved per layer: the kernels and the error model take only theirs.
+    # "auto" is TailConfig's, resolved once: the kernels and the error model take only theirs.
     with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest'\]"):
         _quant(x, 4, rounding="auto")
-    assert [layer_rounding("auto", d) for d in (False, True)] == ["nearest", "stochastic"]
-    assert [layer_rounding(r, True) for r in ROUNDINGS] == list(ROUNDINGS)  # explicit: kept
+    assert kernel_rounding("auto") == "nearest"
+    assert [kernel_rounding(r) for r in ROUNDINGS] == list(ROUNDINGS)  # explicit: kept
     with pytest.raises(ConfigError, match="rounding must be one of"):
-        layer_rounding("Auto", False)
+        kernel_rounding("Auto")
 
 
 def test_the_low_rank_target_follows_the_rounding() -> None:
-    """lowrank_target "auto": "budget" where the CPU quantizer rounds to nearest (its residual
+    """lowrank_target "auto": "budget" where the quantizer rounds to nearest (its residual
     at the picked bits is about half what the budget priced), "bits" under stochastic rounding:
     the two pairings measured (docs/engine.md, "Nearest rounding by default")."""
     assert TailConfig().lowrank_target == "auto"
@@ -131,14 +130,3 @@ def test_the_low_rank_target_follows_the_rounding() -> None:
     assert TailCompressor(TailConfig(rounding="stochastic")).lowrank.target == "bits"  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="lowrank_target must be one of"):
         TailConfig(lowrank_target="tau")
-
-
-def test_the_device_path_refuses_nearest():
-    g = DeviceFlat(torch.zeros(4096))
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        relative_errors(
-            g, None, 512, BITS, sample_numel=4096, rng=np.random.default_rng(0), rounding="nearest"
-        )
-    comp = TailCompressor(TailConfig(rounding="nearest"))
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        comp.quantize_layer("w", g, 4, 512, 0, "nearest")

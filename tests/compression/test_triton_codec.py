@@ -6,10 +6,11 @@ Interpreted kernels are slow, so tensors stay at a few thousand elements.
 
 Exact (same bits): scales, residual, the controller's sampled statistics, packing, unpacking,
 dequantization, the rank mean, the payload given the same levels, and the levels themselves
-against the numpy reference of the device quantizer (same counter-based random stream). The
-levels differ from the numba quantizer's only through the random stream; on inputs that lie
-on the grid they are the same; elsewhere they are checked to be on the grid, within one step,
-and unbiased.
+against the numpy reference of the device quantizer (same counter-based random stream). Under
+round-to-nearest (Tail's default) the levels, residuals and so whole Tail payloads are the
+numba path's, bit for bit. Stochastic levels differ from the numba quantizer's only through
+the random stream; on inputs that lie on the grid they are the same; elsewhere they are
+checked to be on the grid, within one step, and unbiased.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from tail_ray.compression.device import BACKEND_ENV, DeviceFlat, uses_triton  # 
 from tail_ray.compression.fixedsum import sum_squares  # noqa: E402
 from tail_ray.compression.grid import dequantize_reference, levels_max  # noqa: E402
 from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig  # noqa: E402
-from tail_ray.compression.quantize import mean_dequantized_into, quantize_ef  # noqa: E402
+from tail_ray.compression.quantize import (  # noqa: E402
+    ROUNDINGS,
+    mean_dequantized_into,
+    quantize,
+    quantize_ef,
+    quantize_finite,
+)
 from tail_ray.compression.records import QuantRecord  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload, encode_payload  # noqa: E402
@@ -78,16 +85,19 @@ def test_kernel_constants_are_the_grids() -> None:
     assert K.TINY_SCALE.value == float(grid.TINY_SCALE) and K.TINY_PRESCALE.value == float(grid.TINY_PRESCALE)
 
 
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize(
     ("bits", "bucket", "n", "with_e"),
     [(4, 512, 2000, True), (2, 64, 1000, True), (8, 100, 700, True), (3, 256, 900, False), (5, 8, 203, True)],
 )
-def test_quantize_kernel_is_the_reference_bit_for_bit(bits: int, bucket: int, n: int, with_e: bool) -> None:
+def test_quantize_kernel_is_the_reference_bit_for_bit(
+    bits: int, bucket: int, n: int, with_e: bool, rounding: str
+) -> None:
     g = _grad(n, bits, zero_bucket=(0, bucket))  # bucket 0 all zero: scale 0, levels 0
     e = (0.05 * _grad(n, 100 + bits)) if with_e else None
     res = _dev(e) if e is not None else None
-    out = dc.quantize(DeviceFlat(_dev(g)), res, bits, bucket, seed=0xDEADBEEF)
-    lv, sc, e_new = dc.quantize_reference(g, e, bits, bucket, 0xDEADBEEF)
+    out = dc.quantize(DeviceFlat(_dev(g)), res, bits, bucket, seed=0xDEADBEEF, rounding=rounding)
+    lv, sc, e_new = dc.quantize_reference(g, e, bits, bucket, 0xDEADBEEF, rounding)
     assert out.levels.dtype == np.int8
     np.testing.assert_array_equal(out.levels, lv)
     np.testing.assert_array_equal(out.scales, sc)
@@ -197,8 +207,49 @@ def test_fused_packing_equals_the_pack_kernel() -> None:
     assert _host(fused).tobytes() == _host(dc.pack_levels(_dev(lv), 4)).tobytes()
 
 
+@pytest.mark.parametrize(
+    ("bits", "bucket", "with_e"),
+    [(4, 512, True), (2, 64, True), (3, 100, False), (8, 8, True), (5, 256, False)],
+)
+def test_nearest_levels_are_the_cpu_kernels_bit_for_bit(bits: int, bucket: int, with_e: bool) -> None:
+    """Round-to-nearest has no random stream: the device's levels, scales, residual, non-zero
+    count and ||e'||^2 are the numba kernel's exactly, ties and the 2^64 prescale included."""
+    n = 5 * bucket + bucket // 2 + 3  # a partial last bucket
+    g = _grad(n, 40 + bits, zero_bucket=(bucket, 2 * bucket))  # bucket 1 all zero
+    g[2 * bucket : 3 * bucket] *= np.float32(2.0**-70)  # bucket 2 below TINY_SCALE
+    lmax = levels_max(bits)
+    # bucket 3: exact halves between levels, where only the tie rule (away from zero) decides.
+    # Its max |x| is L, so the step is 1 and t = |x| exactly.
+    tie = g[3 * bucket : 4 * bucket]
+    tie[:] = (np.arange(tie.size) % (2 * lmax) - lmax + 0.5).astype(np.float32)
+    tie[0] = np.float32(lmax)
+    e = 0.05 * _grad(n, 60 + bits) if with_e else None
+    if e is not None:
+        e[bucket : 4 * bucket] = 0.0  # keep the zero, tiny and tie buckets as they are
+    res = _dev(e) if e is not None else None
+    out = dc.quantize(DeviceFlat(_dev(g)), res, bits, bucket, seed=1, rounding="nearest")
+    lv = np.empty(n, np.int8)
+    sc = np.empty(-(-n // bucket), np.float32)
+    if res is not None and e is not None:
+        e_cpu = e.copy()
+        nnz, err_sq = quantize_finite(g, e_cpu, bits, bucket, 2, lv, sc, rounding="nearest")  # seed unused
+        np.testing.assert_array_equal(_host(res), e_cpu)
+        assert out.err_sq == pytest.approx(err_sq, rel=1e-12)  # per-bucket partials: another order
+    else:
+        nnz = quantize(g, bits, bucket, 2, lv, sc, rounding="nearest")
+    np.testing.assert_array_equal(out.levels, lv)
+    np.testing.assert_array_equal(out.scales, sc)
+    assert out.nnz == int(nnz) == int(np.count_nonzero(lv))
+    # The tie bucket rounded away from zero: |level| = floor(|t|) + 1 wherever t is a half.
+    t_abs = np.abs(tie.astype(np.float64))
+    halves = t_abs % 1 == 0.5
+    assert halves.sum() > tie.size // 2
+    np.testing.assert_array_equal(np.abs(lv[3 * bucket : 4 * bucket][halves]), np.floor(t_abs[halves]) + 1)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("with_e", [True, False])
-def test_controller_statistics_are_the_cpu_bits(with_e: bool) -> None:
+def test_controller_statistics_are_the_cpu_bits(with_e: bool, rounding: str) -> None:
     bucket, n = 128, 1100  # last bucket partial (76 elements: a lane tail)
     g = _grad(n, 11, zero_bucket=(256, 384))  # bucket 2 all zero
     g[640:768] *= np.float32(2.0**-70)  # bucket 5 below TINY_SCALE: the 2^64 prescale path
@@ -208,8 +259,10 @@ def test_controller_statistics_are_the_cpu_bits(with_e: bool) -> None:
         e[640:768] *= np.float32(2.0**-70)
     ids = np.array([8, 2, 5, 0, 3], dtype=np.int64)
     cands = (2, 3, 4, 5, 6, 8)
-    got = dc.bucket_errors(DeviceFlat(_dev(g)), _dev(e) if e is not None else None, bucket, ids, cands)
-    want = bucket_errors(g, e, bucket, ids, cands)
+    got = dc.bucket_errors(
+        DeviceFlat(_dev(g)), _dev(e) if e is not None else None, bucket, ids, cands, rounding
+    )
+    want = bucket_errors(g, e, bucket, ids, cands, rounding)
     np.testing.assert_array_equal(got[0], want[0])
     assert got[1] == want[1] and got[2] == want[2] == 4
 
@@ -309,9 +362,8 @@ def test_tail_payload_is_the_cpu_wire_format() -> None:
 def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same seed, same gradients: the controller's sampled statistics are the same bits on
     either backend, so it picks the same bit-widths and the scales agree (step 0: no residual
-    yet; from step 1 on the residuals differ by the rounding's random stream). Stochastic
-    rounding on both: under the default "auto" the CPU kernels round to nearest, whose error
-    model picks other bits (test_the_default_rounds_to_nearest_on_the_cpu_only)."""
+    yet; from step 1 on the residuals differ by stochastic rounding's random stream; nearest's
+    whole payloads agree: test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes)."""
     bits_by_backend = {}
     for backend in ("cpu", "triton"):
         monkeypatch.setenv(BACKEND_ENV, backend)
@@ -329,22 +381,25 @@ def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyP
         np.testing.assert_array_equal(a, b)  # step 0: no residual yet, same inputs
 
 
-def test_the_default_rounds_to_nearest_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TailConfig's rounding "auto": the Triton path (no nearest kernel) sends what an explicit
-    "stochastic" sends, bit for bit, instead of refusing; the CPU kernels send what "nearest"
-    sends, which is not what "stochastic" sends."""
+def test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TailConfig's rounding "auto" is nearest on both backends. Nearest has no random stream
+    and the controller's statistics are the same bits, so over several steps (residuals,
+    re-decisions) the Triton path sends the CPU path's payloads byte for byte; stochastic
+    rounding sends other bytes. Low-rank is off: it runs on host arrays only."""
 
     def payloads(backend: str, rounding: str) -> list[bytes]:
         monkeypatch.setenv(BACKEND_ENV, backend)
-        comp = TailCompressor(TailConfig(seed=9, sample_numel=512, lowrank="off", rounding=rounding))
-        return [comp.compress(_layers(20 + step)) for step in range(3)]
+        config = TailConfig(
+            seed=9, sample_numel=512, lowrank="off", redecide_every_steps=1, rounding=rounding
+        )
+        comp = TailCompressor(config)
+        return [comp.compress(_layers(20 + step)) for step in range(4)]
 
-    assert payloads("triton", "auto") == payloads("triton", "stochastic")
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        payloads("triton", "nearest")
-    cpu = payloads("cpu", "auto")
-    assert cpu == payloads("cpu", "nearest")
-    assert cpu != payloads("cpu", "stochastic")
+    device = payloads("triton", "auto")
+    assert device == payloads("triton", "nearest") == payloads("cpu", "auto") == payloads("cpu", "nearest")
+    assert device != payloads("triton", "stochastic")
 
 
 @pytest.mark.usefixtures("triton_backend")
