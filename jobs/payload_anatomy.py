@@ -17,7 +17,10 @@ of the last step apart, every byte counted once:
   values   raw fp32 values (layers below ``raw_below_numel``)
 
 plus the payload's own header and checksum, the layer's share of the payload, and its levels
-against their order-0 entropy bound (H0, the best a static per-layer model can do).
+against their order-0 entropy bound (H0, the best a static per-layer model can do) and an
+order-1 bound (H1: each level's entropy given its neighbours' magnitudes, ``context_bound_bytes``),
+which says how much a context-modelling coder could gain over the order-0 one before its
+larger tables.
 ``--raw-below-numel`` repeats the analysis with other thresholds (same gradients, same
 compressor seed), to show what a small layer costs raw and quantized.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from jobs.bench_codec import Capture, add_capture_args, capture_gradients, models_of, run_workers
@@ -55,10 +59,41 @@ class LayerAnatomy:
     tables: int
     levels: int  # coded levels (quantized) or raw values
     h0_levels: float  # order-0 bound of the levels (0 for raw layers)
+    h1_levels: float = 0.0  # order-1 bound given neighbour magnitudes (context_bound_bytes)
 
     @property
     def total(self) -> int:
         return self.frame + self.scales + self.tables + self.levels
+
+
+# Context of a level in ``context_bound_bytes``: a neighbour's |level|, capped here.
+_CONTEXT_CAP = 2
+
+
+def context_bound_bytes(levels: np.ndarray, row_len: int) -> float:
+    """The order-1 empirical bound of ``levels``: sum over contexts of n_c * H0(levels in c) / 8
+    bytes, a level's context being (min(|previous level|, 2), min(|level one row up|, 2)) in
+    the tensor's memory order (rows of ``row_len``; zeros before the start): 9 contexts. The
+    dependence a gradient could carry (row or column scales that the bucket's max-abs scale
+    does not remove). Never above the order-0 bound; no table costs counted."""
+    lv = np.asarray(levels, dtype=np.int64).reshape(-1)
+    mag = np.minimum(np.abs(lv), _CONTEXT_CAP)
+    prev = np.concatenate([[0], mag[:-1]])
+    up = np.zeros_like(mag)
+    if 0 < row_len < lv.size:
+        up[row_len:] = mag[:-row_len]
+    ctx = prev * (_CONTEXT_CAP + 1) + up
+    total_bits = 0.0
+    for c in np.unique(ctx):
+        counts = np.bincount(lv[ctx == c] - lv.min()).astype(np.float64)
+        counts = counts[counts > 0]
+        total_bits -= float((counts * np.log2(counts / counts.sum())).sum())
+    return total_bits / 8.0
+
+
+def _row_len(shape: tuple[int, ...]) -> int:
+    """Elements per row of a weight in memory order (a conv kernel's: in_channels * kh * kw)."""
+    return int(np.prod(shape[1:])) if len(shape) >= 2 else 0
 
 
 def _tables_bytes(code: str, stats: LevelStats) -> int:
@@ -90,13 +125,14 @@ def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, 
             assert DEFAULT_CODES.name(code) == s.code  # the same choice as the payload's
             tables = _tables_bytes(s.code, level_stats)
             h0 = min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels))
+            h1 = min(h0, context_bound_bytes(rec.levels, _row_len(tuple(grads[rec.name].shape))))
             levels = len(body) - tables
         else:
             _code, _nnz, body = DEFAULT_CODES.encode(rec)
             scales = tables = 0
-            levels, h0 = len(body), 0.0
+            levels, h0, h1 = len(body), 0.0, 0.0
         frame = s.encoded_bytes - scales - len(body)
-        rows.append(LayerAnatomy(rec.name, rec.numel, s.bits, s.code, frame, scales, tables, levels, h0))
+        rows.append(LayerAnatomy(rec.name, rec.numel, s.bits, s.code, frame, scales, tables, levels, h0, h1))
     assert sum(r.total for r in rows) + PAYLOAD_OVERHEAD_BYTES == len(payload)
     return len(payload), rows
 
@@ -127,32 +163,39 @@ def print_report(res: dict[str, Any]) -> None:
     hdr = (
         f"{'layer':<42} {'numel':>7} {'bits':>4} {'code':<11} {'bytes':>7} {'%pay':>6}"
         f" {'frame':>6} {'scales':>7} {'tables':>6} {'levels':>7} {'sc%':>6} {'hdr%':>6} {'lv/H0':>6}"
+        f" {'H1/H0':>6}"
     )
     print(hdr)
     print("-" * len(hdr))
-    tot = {"frame": 0, "scales": 0, "tables": 0, "levels": 0, "values": 0, "h0": 0.0}
+    # "bounded": the coded levels of layers with an entropy bound (quantized; not low-rank factors)
+    tot = {"frame": 0, "scales": 0, "tables": 0, "levels": 0, "values": 0, "bounded": 0, "h0": 0.0, "h1": 0.0}
     for r in res["layers"]:
         quant = r["bits"] < 32
         shown_levels = r["levels"] if quant else f"{r['levels']}v"
         ratio_h0 = f"{r['levels'] / r['h0_levels']:.3f}" if quant and r["h0_levels"] > 0 else "-"
+        h1_h0 = f"{r['h1_levels'] / r['h0_levels']:.3f}" if quant and r["h0_levels"] > 0 else "-"
         print(
             f"{r['layer'][-42:]:<42} {r['numel']:>7} {r['bits']:>4} {r['code'][:11]:<11} {r['total']:>7}"
             f" {r['total'] / size:>6.1%} {r['frame']:>6} {r['scales']:>7} {r['tables']:>6}"
             f" {shown_levels!s:>7} {r['scales'] / r['total']:>6.1%}"
-            f" {(r['frame'] + r['tables']) / r['total']:>6.1%} {ratio_h0:>6}"
+            f" {(r['frame'] + r['tables']) / r['total']:>6.1%} {ratio_h0:>6} {h1_h0:>6}"
         )
         tot["frame"] += r["frame"]
         tot["scales"] += r["scales"]
         tot["tables"] += r["tables"]
         tot["levels" if quant else "values"] += r["levels"]
-        tot["h0"] += r["h0_levels"] if quant else 0.0
+        if quant and r["h0_levels"] > 0:
+            tot["bounded"] += r["levels"]
+            tot["h0"] += r["h0_levels"]
+            tot["h1"] += r["h1_levels"]
     overhead = PAYLOAD_OVERHEAD_BYTES
     print(
         f"payload: header+checksum {overhead} B ({overhead / size:.1%}), layer framing {tot['frame']} B"
         f" ({tot['frame'] / size:.1%}), scales {tot['scales']} B ({tot['scales'] / size:.1%}), code tables"
         f" {tot['tables']} B ({tot['tables'] / size:.1%}), coded levels {tot['levels']} B"
-        f" ({tot['levels'] / size:.1%}; {tot['levels'] / max(tot['h0'], 1e-9):.3f}x their H0),"
-        f" raw values {tot['values']} B ({tot['values'] / size:.1%})"
+        f" ({tot['levels'] / size:.1%}; quantized {tot['bounded'] / max(tot['h0'], 1e-9):.3f}x H0),"
+        f" raw values {tot['values']} B ({tot['values'] / size:.1%}); order-1 bound of the levels"
+        f" {tot['h1'] / max(tot['h0'], 1e-9):.3f}x their H0"
     )
 
 

@@ -2,7 +2,11 @@
 
 import json
 
-from jobs.payload_anatomy import main
+import numpy as np
+import pytest
+
+from jobs.payload_anatomy import context_bound_bytes, main
+from tail_ray.compression.entropy import entropy_bound_bytes
 from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES
 
 
@@ -22,7 +26,29 @@ def test_payload_anatomy_counts_every_byte_and_shows_a_quantized_head(tmp_path, 
             assert r["scales"] == (4 * -(-r["numel"] // 512) if quantized else 0)
             assert r["tables"] == 0 or r["code"].startswith(("rans", "sparse-rans"))
             assert r["frame"] > len(r["layer"])  # the name is in the layer's framing
+            # The order-1 bound: below or at the order-0 one, and present for quantized layers.
+            assert 0 <= r["h1_levels"] <= r["h0_levels"] and (r["h1_levels"] > 0) == (
+                quantized and r["h0_levels"] > 0
+            )
     head_old, head_new = ({r["layer"]: r for r in res["layers"]}["fc2.weight"] for res in (old, new))
     assert head_old["bits"] == 32 and head_old["levels"] == 4 * 1280  # raw fp32 below 4096
     assert head_new["bits"] < 32 and head_new["total"] < head_old["total"] / 4
     assert new["payload_bytes"] < old["payload_bytes"]
+
+
+def test_context_bound_sees_row_structure_and_not_noise():
+    """The order-1 bound is the order-0 one on independent levels and far below it where a
+    level's magnitude follows its row (as an un-normalised row scale would make it)."""
+    rng = np.random.default_rng(0)
+    iid = rng.integers(-3, 4, size=64 * 128).astype(np.int8)
+    h0 = entropy_bound_bytes(iid)
+    assert context_bound_bytes(iid, 128) <= h0
+    assert context_bound_bytes(iid, 128) > 0.99 * h0  # 9 contexts of ~900 levels: a small bias only
+    # Rows alternate all-zero and +-3 of random sign: within a row the previous level says
+    # which, so only the signs are left (1 bit per non-zero level, 1/3 of H0's 1.5 bits).
+    rows = np.where((np.arange(64) % 2 == 0)[:, None], 0, 3 * rng.choice([-1, 1], size=(64, 128)))
+    structured = rows.astype(np.int8).reshape(-1)
+    # (Row 0 has no row up, and each row's first level sees the row before: a few % more.)
+    assert context_bound_bytes(structured, 128) == pytest.approx(
+        entropy_bound_bytes(structured) / 3, rel=0.05
+    )
