@@ -322,11 +322,11 @@ def _train_one(
             for layer in m.layers:
                 if layer.code.startswith("lowrank"):  # code "lowrank-r<rank>": not a bit-width
                     lowrank_steps.setdefault(layer.layer, Counter())[layer.code.removeprefix("lowrank-")] += 1
-                elif layer.bits < 32:
+                elif layer.bits <= 8:  # quantized (16: a small layer as float16, 32: raw)
                     bits_elems[layer.bits] += layer.numel
                     errors[0].append(layer.rel_error)
             for layer in m.stage_two:  # the slices this rank re-compressed as an owner
-                if layer.bits < 32:
+                if layer.bits <= 8:
                     bits_elems_two[layer.bits] += layer.numel
                     errors[1].append(layer.rel_error)
         loss_value = float(loss.detach())
@@ -561,7 +561,8 @@ def write_bits_plot(results: list[dict[str, Any]], path: Path, titles: dict[str,
 
 def bits_over_steps(history: dict[str, list[int]], columns: int) -> tuple[list[int], dict[str, list[int]]]:
     """The steps to show (``columns`` evenly spaced, first and last included) and each
-    quantized layer's bits at them; layers sent raw at every step are left out."""
+    quantized layer's bits at them; layers never quantized (raw, or small layers as float16,
+    at every step) are left out."""
     steps = max((len(v) for v in history.values()), default=0)
     if steps == 0:
         return [], {}
@@ -569,7 +570,7 @@ def bits_over_steps(history: dict[str, list[int]], columns: int) -> tuple[list[i
     table = {
         name: [bits[min(i, len(bits) - 1)] for i in shown]
         for name, bits in history.items()
-        if any(b < 32 for b in bits)
+        if any(b <= 8 for b in bits)
     }
     return shown, table
 

@@ -14,7 +14,8 @@ of the last step apart, every byte counted once:
   scales   float32 bucket scales (quantized layers: 4 bytes per bucket of ``bucket_size``)
   tables   the entropy code's frequency tables carried in the body (rANS codes)
   levels   the coded levels (rANS streams, gap slots and extra bits; bit-packed levels)
-  values   raw fp32 values (layers below ``raw_below_numel``)
+  values   raw fp32 values (layers below ``raw_below_numel`` under ``small_layer_bits=32``,
+           and non-finite ones)
 
 plus the payload's own header and checksum, the layer's share of the payload, and its levels
 against their order-0 entropy bound (H0, the best a static per-layer model can do) and an

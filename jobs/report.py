@@ -113,15 +113,17 @@ def write_bits_plot(
     norm = BoundaryNorm([b - 0.5 for b in (*widths, lowrank)] + [lowrank + 0.5], cmap.N)
     fig, axes = plt.subplots(len(tails), 1, figsize=(10, 1.2 + 2.6 * len(tails)), squeeze=False)
     for ax, r in zip(axes[:, 0], tails, strict=True):
-        # Raw layers (32 bits throughout) are not the controller's choice: left out.
-        layers = {k: v for k, v in r["tail_bits_history"].items() if min(v) < 32}
+        # Layers never quantized (raw fp32, or small layers as float16 throughout) are not the
+        # controller's choice: left out.
+        layers = {k: v for k, v in r["tail_bits_history"].items() if min(v) <= widths[-1]}
         steps = max(len(v) for v in layers.values())
         ranks = r.get("tail_lowrank_history") or {}
         grid = np.full((len(layers), steps), np.nan)
         for i, (name, bits) in enumerate(layers.items()):
             sent = ranks.get(name, [0] * len(bits))
             grid[i, : len(bits)] = [
-                lowrank if rank else (b if b < 32 else np.nan) for b, rank in zip(bits, sent, strict=False)
+                lowrank if rank else (b if b <= widths[-1] else np.nan)
+                for b, rank in zip(bits, sent, strict=False)
             ]
         changes = sum(int(np.count_nonzero(np.diff(row[~np.isnan(row)]))) for row in grid)
         im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)

@@ -265,7 +265,7 @@ class RecordCompressor(Compressor):
 
     def _compress_one(self, name: str, g: LayerArray) -> CompressedLayer:
         if g.size < max(self.raw_below_numel, 1):
-            return CompressedLayer(RawRecord(name, _host(g)))
+            return self.compress_small(name, _host(g))
         if isinstance(g, DeviceFlat):
             from tail_ray.compression import device_codec
 
@@ -276,6 +276,11 @@ class RecordCompressor(Compressor):
             warn_nonfinite(name)
             return CompressedLayer(RawRecord(name, _host(g)))
         return self.compress_layer(name, g, sum_sq)
+
+    def compress_small(self, name: str, g: np.ndarray) -> CompressedLayer:
+        """A layer below ``raw_below_numel`` (host array, not checked for finiteness): raw fp32
+        by default; a subclass may send it some cheaper near-lossless way."""
+        return CompressedLayer(RawRecord(name, g))
 
     def begin_call(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Called once per ``compress`` before any layer (counters, seeds); nothing by default."""

@@ -31,12 +31,13 @@ from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.grid import F32_MAX
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
 from tail_ray.compression.quantize import layer_seed, sum_squares
-from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor
+from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
 from tail_ray.compression.record_tensors import sample_stack
-from tail_ray.compression.records import LayerRecord, LowRankRecord
+from tail_ray.compression.records import LayerRecord, LowRankRecord, RawRecord
 from tail_ray.compression.rounding import kernel_rounding
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
@@ -194,6 +195,45 @@ class TailCompressor(RecordCompressor):
             self.agreement.sent_q[name] = q_next
         rec = replace(rec, want=chooser.rank_of(name))  # what it wants after this step
         return CompressedLayer(rec, e_sq / m_sq if m_sq > 0 else 0.0)
+
+    def compress_small(self, name: str, g: np.ndarray) -> CompressedLayer:
+        """A layer below raw_below_numel (biases, norms), with no controller (too few elements
+        to sample an error or a spread from): as float16 at ``small_layer_bits`` 16, quantized
+        in one fused pass at 2..8, both with error feedback (what they drop is resent), or raw
+        fp32 at 32 bits or when not finite."""
+        bits = self.config.small_layer_bits
+        if bits == 32:
+            return super().compress_small(name, g)
+        sum_sq = float(sum_squares(g))
+        if not math.isfinite(sum_sq):
+            warn_nonfinite(name)
+            return super().compress_small(name, g)
+        if bits == 16:
+            return self._small_fp16(name, g)
+        step = self._layer_steps[name] - 1
+        seed = layer_seed(self._seed, step, name)
+        rounding = kernel_rounding(self.config.rounding)
+        record, nnz = self.quantize_layer(name, g, bits, self.config.bucket_size, seed, rounding)
+        return CompressedLayer(record, 0.0, nnz)
+
+    def _small_fp16(self, name: str, g: np.ndarray) -> CompressedLayer:
+        """g + e as float16 (IEEE round-to-nearest-even: the same bits on every CPU), the
+        rounding left in e; fp32 (e emptied) where a value is past float16's range."""
+        feedback = self.feedback
+        x = g if feedback is None else g + feedback.buffer(name, g.size)
+        with np.errstate(over="ignore"):
+            half = x.astype(np.float16)
+        if not np.isfinite(half).all():
+            if feedback is not None:
+                feedback.buffer(name, g.size)[:] = 0.0
+                feedback.measured(name, 0.0)
+            return super().compress_small(name, np.clip(x, -F32_MAX, F32_MAX).astype(np.float32))
+        sent = half.astype(np.float32)
+        if feedback is not None:
+            e = feedback.buffer(name, g.size)
+            np.subtract(x, sent, out=e)
+            feedback.measured(name, float(sum_squares(e)))
+        return CompressedLayer(RawRecord(name, sent, fp16=True), 0.0, None)
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         cfg = self.config

@@ -30,8 +30,8 @@ def sparse_with_a_subnormal_bucket(rng: np.random.Generator, n: int = N) -> np.n
 
 # (compressor, its settings, layers: name -> (gradient maker, the code it must pick))
 CASES = [
-    ("tail", {"candidate_bits": (4,)}, {
-        "bias": (lambda r: r.standard_normal(100), "raw"),
+    ("tail", {"candidate_bits": (4,), "small_layer_bits": 8}, {
+        "bias": (lambda r: r.standard_normal(100), "bitpack"),  # small, at 8 bits: flat levels
         "pairs": (lambda r: r.standard_normal(N), "rans-pairs"),
         "fc1.weight": (sparse_with_a_subnormal_bucket, "sparse-rans"),
     }),
@@ -39,6 +39,8 @@ CASES = [
         "rans": (lambda r: r.standard_normal(N), "rans"),
         "bitpack": (lambda r: r.uniform(-1, 1, 5_000), "bitpack"),  # flat levels: nothing for rANS to win
     }),
+    ("tail", {"small_layer_bits": 32}, {"bias": (lambda r: r.standard_normal(100), "raw")}),
+    ("tail", {}, {"norm.bias": (lambda r: r.standard_normal(100), "raw")}),  # the default: float16
     ("topk", {"density": 0.05}, {"topk": (lambda r: r.standard_normal(N), "sparse-pos")}),
     ("none", {}, {"none": (lambda r: r.standard_normal(N), "raw")}),
 ]  # fmt: skip
@@ -76,7 +78,8 @@ def test_every_code_reports_sane_figures(seed):
         # Every byte of a payload belongs to one layer or to the frame.
         assert sum(x.encoded_bytes for x in payload_stats) + frame == len(payload)
         if code == "raw":
-            assert isinstance(rec, RawRecord) and not rec.fp16 and s.bits == 32 and s.density == 1.0
+            assert isinstance(rec, RawRecord) and s.density == 1.0
+            assert (rec.fp16, s.bits) == ((True, 16) if rec.name == "norm.bias" else (False, 32))
         elif code == "sparse-pos":
             assert isinstance(rec, SparseRecord) and s.bits == 32
             assert s.density == rec.indices.size / s.numel == pytest.approx(0.05, abs=1 / s.numel)

@@ -61,7 +61,12 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
 
 
 def test_bits_over_steps_samples_evenly_and_drops_raw_layers():
-    history = {"conv.weight": [8, 8, 4, 4, 4, 3, 3, 3, 4, 4], "conv.bias": [32] * 10}
+    # conv.bias raw throughout, norm.weight a small layer as float16 throughout: both left out
+    history = {
+        "conv.weight": [8, 8, 4, 4, 4, 3, 3, 3, 4, 4],
+        "conv.bias": [32] * 10,
+        "norm.weight": [16] * 10,
+    }
     shown, table = bench_convergence.bits_over_steps(history, columns=4)
     assert shown == [0, 3, 6, 9]
     assert table == {"conv.weight": [8, 4, 3, 4]}
