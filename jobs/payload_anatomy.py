@@ -171,7 +171,7 @@ def print_report(res: dict[str, Any]) -> None:
     # "bounded": the coded levels of layers with an entropy bound (quantized; not low-rank factors)
     tot = {"frame": 0, "scales": 0, "tables": 0, "levels": 0, "values": 0, "bounded": 0, "h0": 0.0, "h1": 0.0}
     for r in res["layers"]:
-        quant = r["bits"] < 32
+        quant = r["bits"] <= 8  # 16: a small layer as float16, 32: raw fp32
         shown_levels = r["levels"] if quant else f"{r['levels']}v"
         ratio_h0 = f"{r['levels'] / r['h0_levels']:.3f}" if quant and r["h0_levels"] > 0 else "-"
         h1_h0 = f"{r['h1_levels'] / r['h0_levels']:.3f}" if quant and r["h0_levels"] > 0 else "-"

@@ -105,7 +105,8 @@ def _allocation_trace() -> list[bytes]:
 def _payload_trace(allocation: str) -> list[bytes]:
     # The quantizer's controller, as ef5f1b4's defaults had it: low-rank (default since issue
     # 15's change) would take the matrices away from it, 1024 would quantize the 1-4K layers,
-    # and nearest rounding (the CPU's default since then) has an error model of its own.
+    # and nearest rounding (the CPU's default since then) has an error model of its own;
+    # small layers went raw fp32 (float16 since then).
     config = TailConfig(
         seed=5,
         allocation=allocation,
@@ -113,6 +114,7 @@ def _payload_trace(allocation: str) -> list[bytes]:
         lowrank="off",
         raw_below_numel=4096,
         rounding="stochastic",
+        small_layer_bits=32,
     )
     comp = TailCompressor(config)
     rng = np.random.default_rng(9)

@@ -191,7 +191,9 @@ def _tail8_worker(rank, world_size, out_dir):
     local = _model()
     plain = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
     hooked = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
-    state = register_tail_hook(hooked, "tail", {"candidate_bits": (8,), "raw_below_numel": 4096})
+    state = register_tail_hook(
+        hooked, "tail", {"candidate_bits": (8,), "raw_below_numel": 4096, "small_layer_bits": 32}
+    )
     steps = []
     for step in range(4):  # no optimizer step: same weights, residuals carry over steps
         x, y = _batch(rank, step)
@@ -213,7 +215,8 @@ def test_tail_pinned_to_8_bits_is_within_the_quantization_bound_of_plain_ddp(sce
     tmp_path = scenarios / "tail8"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     levels = 2 ** (8 - 1) - 1
-    # raw_below_numel=4096 in the worker: smaller layers go raw fp32, exactly averaged.
+    # raw_below_numel=4096, small_layer_bits=32 in the worker: smaller layers go raw fp32,
+    # exactly averaged.
     quantized = {n for n, g in ranks[0][0]["local"].items() if g.numel() >= 4096}
     assert quantized == {"0.weight", "2.weight", "4.weight"}
     for step in range(4):
@@ -312,7 +315,10 @@ def test_link_switch_makes_the_same_choices_on_every_rank_and_plain_steps_are_ex
 
 
 def _pickle_worker(rank, world_size, out_dir):
-    for method, config in (("powersgd", {"rank": 1}), ("tail", {"raw_below_numel": 4096})):
+    for method, config in (
+        ("powersgd", {"rank": 1}),
+        ("tail", {"raw_below_numel": 4096, "small_layer_bits": 32}),
+    ):
         ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.01)
         state = register_tail_hook(ddp, method, config)
         for step in range(4):
@@ -341,7 +347,9 @@ def test_state_pickles_without_process_group_and_restores_by_name(scenarios):
     residuals = saved["compressor"]["residuals"]
     # Keyed by parameter name (the layers Tail quantizes: >= raw_below_numel), not bucket index.
     assert set(residuals) == {"0.weight", "2.weight", "4.weight"}
-    restored = make_hook_state(_model(), "tail", {"raw_below_numel": 4096})  # new model object, new ids
+    restored = make_hook_state(
+        _model(), "tail", {"raw_below_numel": 4096, "small_layer_bits": 32}
+    )  # new model object, new ids
     restored.load_state_dict(saved)
     again = restored.state_dict()["compressor"]
     for name, residual in residuals.items():
@@ -353,7 +361,7 @@ def test_state_pickles_without_process_group_and_restores_by_name(scenarios):
         == dict.fromkeys(saved["compressor"]["layer_steps"], 4)
     )
     # A resized job drops the per-worker residuals but keeps the controller.
-    resized = make_hook_state(_model(), "tail", {"raw_below_numel": 4096})
+    resized = make_hook_state(_model(), "tail", {"raw_below_numel": 4096, "small_layer_bits": 32})
     resized.load_state_dict(saved, residuals=False)
     assert not resized.state_dict()["compressor"]["residuals"]
     assert resized.state_dict()["compressor"]["controller"] == saved["compressor"]["controller"]

@@ -126,9 +126,12 @@ def test_set_lr_reaches_the_compressor():
 @pytest.mark.parametrize("method", ["qsgd", "topk", "tail"])
 def test_local_round_trip_of_payload_compressors(method):
     model = _model()
-    # raw_below_numel pinned: layers under 4096 elements go raw fp32, whatever the default.
+    # raw_below_numel pinned: layers under 4096 elements go raw fp32, whatever the default
+    # (Tail's small layers too: small_layer_bits 32).
     config = {"qsgd": {"bits": 8}, "topk": {"density": 0.1}, "tail": {"candidate_bits": (8,)}}[method]
     config = {**config, "raw_below_numel": 4096}
+    if method == "tail":
+        config["small_layer_bits"] = 32
     state = make_hook_state(model, method, config)
     before = _backward(model)
     compress_gradients_locally(state, model)

@@ -31,8 +31,10 @@ def test_roundtrip_any_fresh_instance_decodes_and_stats_are_complete():
         assert decoded[name].dtype == torch.float32 and decoded[name].shape == (g.numel(),)
         s = stats[name]
         assert s.numel == g.numel() and s.raw_bytes == 4 * g.numel() and s.encoded_bytes > 0
-    assert torch.equal(decoded["fc1.bias"], grads["fc1.bias"])  # small layer: raw fp32, exact
-    assert stats["fc1.bias"].bits == 32
+    # Small layer: float16 (the default), within float16's rounding of the gradient.
+    bias = grads["fc1.bias"].reshape(-1)
+    assert torch.equal(decoded["fc1.bias"], bias.half().float())
+    assert stats["fc1.bias"].bits == 16
     w = stats["fc1.weight"]
     assert w.bits in TailConfig().candidate_bits and 0 < w.density <= 1
     # The reported error is the estimate; the realised one is of the same size.
@@ -100,7 +102,8 @@ def test_state_dict_roundtrip_and_resize_choice():
     for step in range(3):
         comp.compress(_grads(step))
     state = comp.state_dict()
-    assert set(state["residuals"]) == {"fc1.weight", "conv.weight"}
+    # Small layers carry float16's rounding in a residual too.
+    assert set(state["residuals"]) == {"fc1.weight", "conv.weight", "fc1.bias"}
     restored = TailCompressor(TailConfig(seed=5))
     restored.load_state_dict(state)
     assert restored.controller.plans == comp.controller.plans
@@ -178,7 +181,7 @@ def test_model_allocation_round_trips_and_restores_its_curves():
         grads = _grads(step)
         out = TailCompressor().decompress(comp.compress(grads))
         assert set(out) == set(grads)
-        assert all(s.bits in comp.config.candidate_bits for s in comp.last_stats if s.bits < 32)
+        assert all(s.bits in comp.config.candidate_bits for s in comp.last_stats if s.bits <= 8)
     assert set(comp.controller.curves) == {"fc1.weight", "conv.weight"}
     restored = TailCompressor(TailConfig(seed=5, allocation="model"))
     restored.load_state_dict(comp.state_dict())
