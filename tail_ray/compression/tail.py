@@ -38,7 +38,6 @@ from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord, RawRecord
-from tail_ray.compression.rounding import kernel_rounding
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
 
@@ -212,31 +211,31 @@ class TailCompressor(RecordCompressor):
             return self._small_fp16(name, g)
         step = self._layer_steps[name] - 1
         seed = layer_seed(self._seed, step, name)
-        rounding = kernel_rounding(self.config.rounding)
-        record, nnz = self.quantize_layer(name, g, bits, self.config.bucket_size, seed, rounding)
+        record, nnz = self.quantize_layer(
+            name, g, bits, self.config.bucket_size, seed, self.controller.rounding
+        )
         return CompressedLayer(record, 0.0, nnz)
 
     def _small_fp16(self, name: str, g: np.ndarray) -> CompressedLayer:
         """g + e as float16 (IEEE round-to-nearest-even: the same bits on every CPU), the
         rounding left in e; fp32 (e emptied) where a value is past float16's range."""
         feedback = self.feedback
-        x = g if feedback is None else g + feedback.buffer(name, g.size)
+        e = feedback.buffer(name, g.size) if feedback is not None else None
+        x = g if e is None else g + e
         with np.errstate(over="ignore"):
             half = x.astype(np.float16)
-        if not np.isfinite(half).all():
-            if feedback is not None:
-                feedback.buffer(name, g.size)[:] = 0.0
+        finite = bool(np.isfinite(half).all())
+        sent = half.astype(np.float32) if finite else np.clip(x, -F32_MAX, F32_MAX).astype(np.float32)
+        if feedback is not None and e is not None:
+            if finite:  # float16's rounding stays, to be sent on later steps
+                np.subtract(x, sent, out=e)
+                feedback.measured(name, float(sum_squares(e)))
+            else:  # sent as float32: nothing left behind
+                e.fill(0.0)
                 feedback.measured(name, 0.0)
-            return super().compress_small(name, np.clip(x, -F32_MAX, F32_MAX).astype(np.float32))
-        sent = half.astype(np.float32)
-        if feedback is not None:
-            e = feedback.buffer(name, g.size)
-            np.subtract(x, sent, out=e)
-            feedback.measured(name, float(sum_squares(e)))
-        return CompressedLayer(RawRecord(name, sent, fp16=True), 0.0, None)
+        return CompressedLayer(RawRecord(name, sent, fp16=finite), 0.0, None)
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
-        cfg = self.config
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
         residual = self.residual_of(name, g)
         # ||e||^2 of the residual carried in (the kernel measured it when it wrote it): for the runaway
@@ -258,8 +257,10 @@ class TailCompressor(RecordCompressor):
         # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
         seed = layer_seed(self._seed, step, name)
-        rounding = kernel_rounding(cfg.rounding)
-        record, nnz = self.quantize_layer(name, g, plan.bits, plan.bucket_size, seed, rounding)
+        # The rounding the controller's error model priced (resolved once, from config.rounding).
+        record, nnz = self.quantize_layer(
+            name, g, plan.bits, plan.bucket_size, seed, self.controller.rounding
+        )
         if self.lowrank is not None and self.lowrank.rank_of(name):
             record = replace(record, want=self.lowrank.rank_of(name))
         return CompressedLayer(record, plan.rel_error, nnz)
