@@ -94,17 +94,24 @@ class Capture:
     lr: float
     grads: list[list[dict[str, torch.Tensor]]]  # [step][rank] -> {layer: grad}
     losses: list[float]
+    weights: dict[str, torch.Tensor] | None = None  # the parameters at the first kept step (keep_weights)
 
 
-def capture_gradients(model_name: str, steps: int, keep: int, world: int, seed: int = 0) -> Capture:
-    """Train ``steps`` steps with ``world`` simulated workers; keep the last ``keep`` steps' grads."""
+def capture_gradients(
+    model_name: str, steps: int, keep: int, world: int, seed: int = 0, keep_weights: bool = False
+) -> Capture:
+    """Train ``steps`` steps with ``world`` simulated workers; keep the last ``keep`` steps' grads
+    (and, with ``keep_weights``, the parameters those steps started from)."""
     ds_name, batch, make_opt = MODELS[model_name]
     dataset = make_dataset(ds_name, seed)
     model = make_model(model_name, dataset, seed)
     opt = make_opt(model)
     kept: list[list[dict[str, torch.Tensor]]] = []
     losses = []
+    weights = None
     for step in range(steps):
+        if keep_weights and step == steps - keep:
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         per_rank = []
         for rank in range(world):
             x, y = dataset.batch(seed=seed, step=step, rank=rank, world_size=world, batch_size=batch)
@@ -120,7 +127,7 @@ def capture_gradients(model_name: str, steps: int, keep: int, world: int, seed: 
         opt.step()
         if step >= steps - keep:
             kept.append(per_rank)
-    return Capture(model_name, steps, float(opt.param_groups[0]["lr"]), kept, losses)
+    return Capture(model_name, steps, float(opt.param_groups[0]["lr"]), kept, losses, weights)
 
 
 def _time_per_call(fn: Callable[[], Any], min_total_s: float, max_reps: int, batches: int = 5) -> float:
