@@ -182,6 +182,8 @@ class RunResult:
     own_bytes_per_step_2nd_half: float | None = None
     # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
     tail_trials_ms: dict[str, float] | None = None
+    # Rank 0's low-rank trials failed and stints ended for rows left behind, per layer.
+    tail_rows_left_behind: dict[str, int] | None = None
     # Every rank's own payload per step, 2nd half (rank order), and the second-half steps in
     # which every rank sent the same layers low-rank at the same ranks (kind and rank agreed).
     own_bytes_by_rank: list[float] | None = None
@@ -225,6 +227,8 @@ def _tail_details(
         out["tail_decisions"] = tail.controller.decisions
         if tail.lowrank is not None and tail.lowrank.trial_times_s:
             out["tail_trials_ms"] = _trial_times_ms(list(tail.lowrank.trial_times_s))
+        if tail.lowrank is not None:
+            out["tail_rows_left_behind"] = dict(sorted(tail.lowrank.rows_left_behind.items()))
     return out
 
 
@@ -543,6 +547,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
                         f" mean {trials['wall_mean']:.2f} / max {trials['wall_max']:.2f} ms, thread CPU"
                         f" mean {trials['cpu_mean']:.2f} / max {trials['cpu_max']:.2f} ms (rank 0)"
                     )
+                if r.get("tail_rows_left_behind"):
+                    shown = ", ".join(f"{name} x{n}" for name, n in r["tail_rows_left_behind"].items())
+                    print(f"  low-rank trials failed / stints ended for rows left behind (rank 0): {shown}")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:

@@ -22,6 +22,8 @@ residual ratio can sit well below the quantizer's (digits' fc1 at rank 8: rho 0.
   layer goes back to the quantizer (its residual carries over: nothing is lost), and waits
   twice as long before its next trial. Every ``trial_every_steps`` the current factors'
   singular values say whether a lower rank would keep the residual under half the target.
+- rows left behind (lowrank_rows.py): a trial also fails, and a low-rank layer also moves up
+  or back, where the typical row would get / has got less than its own gradient.
 - bytes: the quantized bytes are the layer's own last payload; low-rank bytes are bounded by
   bit-packed factors (``lowrank.factor_bytes``), then measured. A low-rank layer whose
   measured bytes stop saving ``min_gain / 2`` goes back.
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.lowrank_energy import captured_energy, warm_linalg
+from tail_ray.bitwidth.lowrank_rows import checks_rows_at, rows_behind_share, rows_lost_share, warm_rows
 from tail_ray.bitwidth.lowrank_state import (
     MAX_BACKOFF,
     STATE_FORMAT,
@@ -116,8 +119,10 @@ class LowRankChooser:
         # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
         # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
         self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
+        self.rows_left_behind: dict[str, int] = {}  # trials failed, stints ended (lowrank_rows.py)
         # Here, at hook set-up, not in the first trial: see lowrank_energy.warm_linalg.
         warm_linalg()
+        warm_rows()
 
     # --- queries ---------------------------------------------------------------------------
     def rank_of(self, name: str) -> int:
@@ -192,7 +197,7 @@ class LowRankChooser:
         if layer is None:
             layer = self._layers[name] = LayerState(*shape, next_trial=self.settings.start_step)
         if layer.rank == 0 and step >= layer.next_trial and compensated is not None:
-            miss = self._trial(layer, compensated, self._target(nu_quant))
+            miss = self._trial(name, layer, compensated, self._target(nu_quant))
             if miss <= 1:
                 layer.backoff = 1
             elif self._affordable(layer):
@@ -217,7 +222,7 @@ class LowRankChooser:
         nu = min(max(float(nu_quant), 0.0), 0.99)
         return nu / (1 - nu)
 
-    def _trial(self, layer: LayerState, compensated: np.ndarray, target: float) -> float:
+    def _trial(self, name: str, layer: LayerState, compensated: np.ndarray, target: float) -> float:
         """How far the best affordable rank's estimate is from the target (<= 1: it met it, and
         the layer is low-rank from now; inf: nothing to try)."""
         ranks = self._affordable(layer)
@@ -225,12 +230,12 @@ class LowRankChooser:
             return math.inf
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            return self._run_trial(layer, compensated, target, ranks)
+            return self._run_trial(name, layer, compensated, target, ranks)
         finally:
             self.trial_times_s.append((time.perf_counter() - wall0, time.thread_time() - cpu0))
 
     def _run_trial(
-        self, layer: LayerState, compensated: np.ndarray, target: float, ranks: list[int]
+        self, name: str, layer: LayerState, compensated: np.ndarray, target: float, ranks: list[int]
     ) -> float:
         top = ranks[-1]
         m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
@@ -259,11 +264,12 @@ class LowRankChooser:
             nu = max(0.0, 1.0 - float(captured[r - 1]) / m_sq)
             ratio = nu / (1 - nu) if nu < 1 else math.inf
             if ratio <= target:
-                layer.rank = r
-                layer.q_warm, layer.q_wide = basis[:, :r].contiguous(), None
-                layer.ratio_ema = None
-                layer.steps_in_mode = 0
-                layer.lowrank_bytes = None
+                # The P rank r would send: its typical row lost in its grid fails the trial.
+                p_r = power_step(m, basis[:, :r].contiguous())[0].numpy()
+                if rows_lost_share(p_r, self.settings.bits, self.bucket_size) > 0.5:
+                    self.rows_left_behind[name] = self.rows_left_behind.get(name, 0) + 1
+                    return math.inf
+                layer.start_rank(r, basis[:, :r].contiguous())
                 return 0.0
             best = min(best, ratio)
         return best / target if target > 0 else math.inf
@@ -279,9 +285,11 @@ class LowRankChooser:
         m_sq: float,
         nu_quant: float,
         step: int,
+        rows: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """After a low-rank step: the next warm start, the residual ratio it left (``e_sq`` over
-        ``g_sq``), and ||g + e||^2 of the step (``m_sq``: a lower rank's estimate)."""
+        ``g_sq``), ||g + e||^2 (``m_sq``: a lower rank's estimate), and the new residual and
+        the gradient (``rows``, flat), whose rows lowrank_rows.py checks."""
         t0 = time.perf_counter()
         layer = self._layers[name]
         if q_next.shape[1] > layer.rank:
@@ -304,22 +312,26 @@ class LowRankChooser:
             and layer.quant_bytes is not None
             and (layer.lowrank_bytes > (1 - self.settings.min_gain / 2) * layer.quant_bytes)
         )
-        if too_big:
-            self._leave(layer, step)
-        elif (
+        share = None
+        if rows is not None and checks_rows_at(layer.steps_in_mode):
+            share = rows_behind_share(*rows, layer.rows, layer.cols)
+        behind = share is not None and share > 0.5  # the typical row
+        over = (
             layer.steps_in_mode >= self.settings.dwell_steps
             and layer.ratio_ema is not None
             and layer.ratio_ema > self.settings.exit_slack * target
-        ):
+        )
+        if too_big:
+            self._leave(layer, step)
+        elif behind or over:
             higher = self._affordable(layer, above=layer.rank)
             if higher:
-                r = higher[0]
-                layer.q_warm, layer.q_wide = self.fit_warm(q_next, layer.cols, r), None
-                layer.floor = r
-                layer.rank = r
-                layer.steps_in_mode = 0
-                layer.ratio_ema = None
-                layer.lowrank_bytes = None
+                layer.start_rank(higher[0], self.fit_warm(q_next, layer.cols, higher[0]))
+                layer.floor = higher[0]
+            elif behind:
+                self.rows_left_behind[name] = self.rows_left_behind.get(name, 0) + 1
+                log.info("layer %r leaves low-rank at step %d: its rows behind", name, step)
+                self._leave(layer, step, backoff=MAX_BACKOFF)
             else:
                 self._leave(layer, step)
         elif layer.steps_in_mode % self.settings.trial_every_steps == 0:
@@ -339,20 +351,17 @@ class LowRankChooser:
             # Half the target: a rank that only just fits this step's M outgrows it once the
             # directions it drops pile up in the residual (measured: rank 4 -> 1 -> 2 -> 4).
             if nu < 1 and nu / (1 - nu) <= target / 2:
-                layer.rank = r
-                layer.q_warm, layer.q_wide = basis[:, :r].contiguous(), None
-                layer.ratio_ema = None
-                layer.steps_in_mode = 0
-                layer.lowrank_bytes = None
+                layer.start_rank(r, basis[:, :r].contiguous())
                 return
 
-    def _leave(self, layer: LayerState, step: int) -> None:
+    def _leave(self, layer: LayerState, step: int, backoff: int | None = None) -> None:
+        """Back to the quantizer; the next trial ``backoff`` intervals on (default: twice the last)."""
         layer.rank = 0
         layer.floor = 0
         layer.q_warm = layer.q_wide = None
         layer.ratio_ema = None
         layer.steps_in_mode = 0
-        layer.backoff = min(layer.backoff * 2, MAX_BACKOFF)
+        layer.backoff = min(layer.backoff * 2 if backoff is None else backoff, MAX_BACKOFF)
         layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
 
     def observe_bytes(self, name: str, encoded_bytes: int, lowrank: bool) -> None:

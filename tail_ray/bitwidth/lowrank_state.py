@@ -42,6 +42,15 @@ class LayerState:
     next_trial: int = 0
     backoff: int = 1
 
+    def start_rank(self, rank: int, q_warm: torch.Tensor) -> None:
+        """Low-rank at ``rank`` from the next step, warm-started from ``q_warm``; what was
+        measured at another rank (or quantized) starts over."""
+        self.rank = rank
+        self.q_warm, self.q_wide = q_warm, None
+        self.ratio_ema = None
+        self.steps_in_mode = 0
+        self.lowrank_bytes = None
+
 
 def layer_to_state(layer: LayerState) -> dict[str, Any]:
     """One layer's checkpoint form; the warm starts as CPU tensor copies."""

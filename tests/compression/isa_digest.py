@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tail_ray.bitwidth.lowrank_rows import rows_behind_share, rows_lost_share
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
@@ -60,6 +61,16 @@ def _digest(parts: list[np.ndarray | bytes | float | int]) -> str:
     return h.hexdigest()
 
 
+def _rows_left_behind(g: np.ndarray) -> list[np.ndarray | bytes | float | int]:
+    """The chooser's row checks on rows whose ratios straddle their limits: finite rows
+    only (the huge first bucket's squares overflow float64 and count as behind everywhere)."""
+    tame = g[2048:66_048]
+    e = tame[::-1].copy() * np.float32(0.9)
+    shares = [rows_behind_share(tame, e, rows, tame.size // rows) for rows in (64, 500, 1000)]
+    p = tame[: 500 * 16].reshape(500, 16)
+    return [*shares, *(rows_lost_share(p, bits, bucket) for bits in (2, 4, 8) for bucket in (64, 512))]
+
+
 def digests() -> dict[str, str]:
     out: dict[str, str] = {}
     n = 70_001  # not a multiple of any bucket or vector width: scalar tails everywhere
@@ -69,6 +80,7 @@ def digests() -> dict[str, str]:
         out[name] = _digest(fn())
 
     record("sum_squares", lambda: [sum_squares(g), sum_squares(g[:1001])])
+    record("low-rank rows left behind", lambda: _rows_left_behind(g))
     record("controller decisions", _decisions)
 
     quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}

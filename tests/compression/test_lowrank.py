@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tail_ray.bitwidth.lowrank_rows import rows_behind_share, rows_lost_share
 from tail_ray.compression.lowrank import compress_lowrank, factor_bytes, matrix_shape, max_rank, reconstruct
 from tail_ray.compression.records import Kind, LowRankRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
@@ -296,3 +297,95 @@ def test_an_exactly_low_rank_layer_stays_quantized_when_its_factors_would_not_sa
     assert rank12.lowrank.rank_of("w") == 0
     assert not rank12.last_stats[0].code.startswith("lowrank")
     assert rank2.lowrank.rank_of("w") in (2, 4)
+
+
+def _head_like_gradient(step: int, small_scale: float, shared: bool) -> torch.Tensor:
+    """An LM output layer's shape of gradient: 16 frequent rows carrying a rank-2 signal, 112
+    rare rows 1000x smaller. ``shared``: the rare rows lie in the same rank-2 subspace (the
+    factors capture them too); else each pushes its own fixed direction, which no rank <= 16
+    of this 128 x 256 matrix holds."""
+    gen = torch.Generator().manual_seed(99)
+    u, v = torch.randn(128, 2, generator=gen), torch.randn(256, 2, generator=gen)
+    own = torch.randn(128, 256, generator=gen)
+    step_gen = torch.Generator().manual_seed(step)
+    coeff = 1.0 + 0.1 * torch.randn(2, generator=step_gen)
+    g = (u * coeff) @ v.T + 0.01 * torch.randn(128, 256, generator=step_gen)
+    if not shared:
+        g[16:] = own[16:]
+    g[16:] *= small_scale
+    return g
+
+
+def _sent_rank(comp: TailCompressor) -> int:
+    code = comp.last_stats[0].code
+    return int(code.removeprefix("lowrank-r")) if code.startswith("lowrank") else 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_trial_refuses_lowrank_where_the_factors_would_lose_the_typical_row(shared: bool) -> None:
+    comp = _tail()
+    for step in range(40):
+        comp.compress({"w": _head_like_gradient(step, 1e-3, shared=shared)})
+        assert _sent_rank(comp) == 0
+    # The big rows alone would pass (the layer's residual ratio is theirs), but the rare rows'
+    # entries of P, 1000x smaller, fall below a step of its 8-bit grid (both cases) or outside
+    # the rank's subspace (not shared): every trial fails.
+    assert comp.lowrank is not None and comp.lowrank.rows_left_behind["w"] >= 2
+
+
+def test_a_lowrank_layer_whose_rows_fall_behind_moves_up_then_goes_back() -> None:
+    comp = _tail()
+    for step in range(12):
+        comp.compress({"w": _head_like_gradient(step, 0.05, shared=True)})
+    assert comp.lowrank is not None and comp.lowrank.rank_of("w") > 0
+    ranks = []  # the rank each step sent (0: quantized)
+    for step in range(12, 40):  # the small rows now push directions of their own
+        comp.compress({"w": _head_like_gradient(step, 1e-3, shared=False)})
+        ranks.append(_sent_rank(comp))
+    # Their backlog shows from the stint's ROWS_CHECK_STEPS-th step: each higher rank is tried
+    # that long, then the quantizer, for MAX_BACKOFF trial intervals.
+    left = ranks.index(0)
+    tried = sorted(set(ranks[:left]))
+    assert tried[-1] == 16 and all(r == 0 for r in ranks[left:])
+    assert comp.lowrank.rows_left_behind == {"w": 1}
+    e = comp.feedback.buffer("w", 128 * 256) if comp.feedback else None
+    assert e is not None
+    g = _head_like_gradient(40, 1e-3, shared=False).reshape(-1).numpy()
+    assert rows_behind_share(e, g, 128, 256) <= 0.5  # quantized again: the backlog drained
+
+
+def test_lowrank_keeps_a_layer_whose_small_rows_its_factors_hold() -> None:
+    comp = _tail()
+    for step in range(40):
+        comp.compress({"w": _head_like_gradient(step, 0.05, shared=True)})
+    # Rows 20x apart, in the factors' subspace and within their 8-bit range: every row is sent.
+    # (At 1000x the rare rows' entries in P fall below half a step of its 8-bit grid, and are
+    # left behind like rows outside the subspace: the case above, caught the same way.)
+    assert comp.lowrank is not None and comp.lowrank.rank_of("w") > 0
+    assert comp.lowrank.rows_left_behind == {}
+
+
+def test_rows_behind_share_counts_rows_holding_back_more_than_their_gradient() -> None:
+    g = np.array([[1, 1], [2, 0], [0, 0], [0, 0], [3, 4]], np.float32)
+    e = np.array([[1, 1], [0, 2], [0, 0], [1, 0], [0, 0]], np.float32)
+    # Per row ||e||^2 / ||g||^2: 1, 1 (not past the limit), 0 (nothing held, nothing due),
+    # inf (held back, no gradient: behind), 0.
+    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 1 / 5
+    e[0] = 3  # 18 / 2
+    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 2 / 5
+    e[4] = np.nan
+    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 3 / 5
+
+
+def test_rows_lost_share_counts_rows_below_the_factor_grid() -> None:
+    p = np.zeros((8, 2), np.float32)
+    p[:2] = 1.0  # the bucket's max: its step is 1/127 at 8 bits
+    # Below half a step, stochastic rounding's variance step^2 f (1 - f) exceeds the energy
+    # (f step)^2: lost. Above it, kept.
+    p[2:4] = 0.6 / 127  # kept: variance 0.24 step^2 against 0.36 step^2
+    p[4] = 0.4 / 127  # lost: 0.24 against 0.16
+    p[5] = 2e-4  # lost: 0.025 of a step
+    p[6] = 0.25  # kept: 32 steps
+    # Row 7 is zero: no gradient, nothing to lose.
+    assert rows_lost_share(p, 8, 16) == 2 / 8
+    assert rows_lost_share(p, 2, 16) == 5 / 8  # 2 bits: the step is the max, rows 2-6 below half of it
