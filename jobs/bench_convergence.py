@@ -182,7 +182,7 @@ class RunResult:
     own_bytes_per_step_2nd_half: float | None = None
     # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
     tail_trials_ms: dict[str, float] | None = None
-    # Rank 0's low-rank trials failed and stints ended for rows left behind, per layer.
+    # Rank 0's low-rank trials failed for rows P would leave behind, per layer.
     tail_rows_left_behind: dict[str, int] | None = None
     # Every rank's own payload per step, 2nd half (rank order), and the second-half steps in
     # which every rank sent the same layers low-rank at the same ranks (kind and rank agreed).
@@ -549,7 +549,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                     )
                 if r.get("tail_rows_left_behind"):
                     shown = ", ".join(f"{name} x{n}" for name, n in r["tail_rows_left_behind"].items())
-                    print(f"  low-rank trials failed / stints ended for rows left behind (rank 0): {shown}")
+                    print(f"  low-rank trials failed for rows P would leave behind (rank 0): {shown}")
                 taus = r.get("tail_tau") or {}
                 noise = r.get("tail_noise") or {}
                 for name in taus:

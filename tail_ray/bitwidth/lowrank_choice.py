@@ -22,8 +22,8 @@ residual ratio can sit well below the quantizer's (digits' fc1 at rank 8: rho 0.
   layer goes back to the quantizer (its residual carries over: nothing is lost), and waits
   twice as long before its next trial. Every ``trial_every_steps`` the current factors'
   singular values say whether a lower rank would keep the residual under half the target.
-- rows left behind (lowrank_rows.py): a trial also fails, and a low-rank layer also moves up
-  or back, where the typical row would get / has got less than its own gradient.
+- rows left behind (lowrank_rows.py): a trial also fails where the typical row of the P it
+  would send gets more rounding noise than signal in P's grid.
 - bytes: the quantized bytes are the layer's own last payload; low-rank bytes are bounded by
   bit-packed factors (``lowrank.factor_bytes``), then measured. A low-rank layer whose
   measured bytes stop saving ``min_gain / 2`` goes back.
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from tail_ray.bitwidth.lowrank_energy import captured_energy, warm_linalg
-from tail_ray.bitwidth.lowrank_rows import checks_rows_at, rows_behind_share, rows_lost_share, warm_rows
+from tail_ray.bitwidth.lowrank_rows import rows_lost_share, warm_rows
 from tail_ray.bitwidth.lowrank_state import (
     MAX_BACKOFF,
     STATE_FORMAT,
@@ -119,7 +119,7 @@ class LowRankChooser:
         # (wall s, this thread's CPU s) of the latest trials: the decision share alone cannot
         # tell many cheap trials from a few slow ones, and issue 15's cost was the latter.
         self.trial_times_s: deque[tuple[float, float]] = deque(maxlen=TRIAL_TIMES_KEPT)
-        self.rows_left_behind: dict[str, int] = {}  # trials failed, stints ended (lowrank_rows.py)
+        self.rows_left_behind: dict[str, int] = {}  # layer -> trials failed (lowrank_rows.py)
         # Here, at hook set-up, not in the first trial: see lowrank_energy.warm_linalg.
         warm_linalg()
         warm_rows()
@@ -285,11 +285,9 @@ class LowRankChooser:
         m_sq: float,
         nu_quant: float,
         step: int,
-        rows: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """After a low-rank step: the next warm start, the residual ratio it left (``e_sq`` over
-        ``g_sq``), ||g + e||^2 (``m_sq``: a lower rank's estimate), and the new residual and
-        the gradient (``rows``, flat), whose rows lowrank_rows.py checks."""
+        ``g_sq``), and ||g + e||^2 of the step (``m_sq``: a lower rank's estimate)."""
         t0 = time.perf_counter()
         layer = self._layers[name]
         if q_next.shape[1] > layer.rank:
@@ -312,26 +310,17 @@ class LowRankChooser:
             and layer.quant_bytes is not None
             and (layer.lowrank_bytes > (1 - self.settings.min_gain / 2) * layer.quant_bytes)
         )
-        share = None
-        if rows is not None and checks_rows_at(layer.steps_in_mode):
-            share = rows_behind_share(*rows, layer.rows, layer.cols)
-        behind = share is not None and share > 0.5  # the typical row
-        over = (
+        if too_big:
+            self._leave(layer, step)
+        elif (
             layer.steps_in_mode >= self.settings.dwell_steps
             and layer.ratio_ema is not None
             and layer.ratio_ema > self.settings.exit_slack * target
-        )
-        if too_big:
-            self._leave(layer, step)
-        elif behind or over:
+        ):
             higher = self._affordable(layer, above=layer.rank)
             if higher:
                 layer.start_rank(higher[0], self.fit_warm(q_next, layer.cols, higher[0]))
                 layer.floor = higher[0]
-            elif behind:
-                self.rows_left_behind[name] = self.rows_left_behind.get(name, 0) + 1
-                log.info("layer %r leaves low-rank at step %d: its rows behind", name, step)
-                self._leave(layer, step, backoff=MAX_BACKOFF)
             else:
                 self._leave(layer, step)
         elif layer.steps_in_mode % self.settings.trial_every_steps == 0:
@@ -354,14 +343,13 @@ class LowRankChooser:
                 layer.start_rank(r, basis[:, :r].contiguous())
                 return
 
-    def _leave(self, layer: LayerState, step: int, backoff: int | None = None) -> None:
-        """Back to the quantizer; the next trial ``backoff`` intervals on (default: twice the last)."""
+    def _leave(self, layer: LayerState, step: int) -> None:
         layer.rank = 0
         layer.floor = 0
         layer.q_warm = layer.q_wide = None
         layer.ratio_ema = None
         layer.steps_in_mode = 0
-        layer.backoff = min(layer.backoff * 2 if backoff is None else backoff, MAX_BACKOFF)
+        layer.backoff = min(layer.backoff * 2, MAX_BACKOFF)
         layer.next_trial = step + self.settings.trial_every_steps * layer.backoff
 
     def observe_bytes(self, name: str, encoded_bytes: int, lowrank: bool) -> None:

@@ -187,14 +187,7 @@ class TailCompressor(RecordCompressor):
         spent = chooser.decision_s
         if want:  # else sent at a rank only others wanted ("any"): this chooser stays quantized
             chooser.observe_lowrank(
-                name,
-                q_next,
-                e_sq=e_sq,
-                g_sq=sum_sq,
-                m_sq=m_sq,
-                nu_quant=nu_quant,
-                step=step,
-                rows=(feedback.buffer(name, g.size), g),
+                name, q_next, e_sq=e_sq, g_sq=sum_sq, m_sq=m_sq, nu_quant=nu_quant, step=step
             )
         self.controller.decision_s += chooser.decision_s - spent
         if self.agreement.agreed is not None:

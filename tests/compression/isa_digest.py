@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tail_ray.bitwidth.lowrank_rows import rows_behind_share, rows_lost_share
+from tail_ray.bitwidth.lowrank_rows import rows_lost_share
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
@@ -61,14 +61,11 @@ def _digest(parts: list[np.ndarray | bytes | float | int]) -> str:
     return h.hexdigest()
 
 
-def _rows_left_behind(g: np.ndarray) -> list[np.ndarray | bytes | float | int]:
-    """The chooser's row checks on rows whose ratios straddle their limits: finite rows
-    only (the huge first bucket's squares overflow float64 and count as behind everywhere)."""
-    tame = g[2048:66_048]
-    e = tame[::-1].copy() * np.float32(0.9)
-    shares = [rows_behind_share(tame, e, rows, tame.size // rows) for rows in (64, 500, 1000)]
-    p = tame[: 500 * 16].reshape(500, 16)
-    return [*shares, *(rows_lost_share(p, bits, bucket) for bits in (2, 4, 8) for bucket in (64, 512))]
+def _rows_lost(g: np.ndarray) -> list[np.ndarray | bytes | float | int]:
+    """The low-rank trial's rows check on rows whose ratios straddle its limit: finite values
+    only (the huge first bucket's squares would count as lost everywhere)."""
+    p = g[2048 : 2048 + 500 * 16].reshape(500, 16)
+    return [rows_lost_share(p, bits, bucket) for bits in (2, 4, 8) for bucket in (64, 512)]
 
 
 def digests() -> dict[str, str]:
@@ -80,7 +77,7 @@ def digests() -> dict[str, str]:
         out[name] = _digest(fn())
 
     record("sum_squares", lambda: [sum_squares(g), sum_squares(g[:1001])])
-    record("low-rank rows left behind", lambda: _rows_left_behind(g))
+    record("low-rank rows lost", lambda: _rows_lost(g))
     record("controller decisions", _decisions)
 
     quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tail_ray.bitwidth.lowrank_rows import rows_behind_share, rows_lost_share
+from tail_ray.bitwidth.lowrank_rows import rows_lost_share
 from tail_ray.compression.lowrank import compress_lowrank, factor_bytes, matrix_shape, max_rank, reconstruct
 from tail_ray.compression.records import Kind, LowRankRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
@@ -333,27 +333,6 @@ def test_a_trial_refuses_lowrank_where_the_factors_would_lose_the_typical_row(sh
     assert comp.lowrank is not None and comp.lowrank.rows_left_behind["w"] >= 2
 
 
-def test_a_lowrank_layer_whose_rows_fall_behind_moves_up_then_goes_back() -> None:
-    comp = _tail()
-    for step in range(12):
-        comp.compress({"w": _head_like_gradient(step, 0.05, shared=True)})
-    assert comp.lowrank is not None and comp.lowrank.rank_of("w") > 0
-    ranks = []  # the rank each step sent (0: quantized)
-    for step in range(12, 40):  # the small rows now push directions of their own
-        comp.compress({"w": _head_like_gradient(step, 1e-3, shared=False)})
-        ranks.append(_sent_rank(comp))
-    # Their backlog shows from the stint's ROWS_CHECK_STEPS-th step: each higher rank is tried
-    # that long, then the quantizer, for MAX_BACKOFF trial intervals.
-    left = ranks.index(0)
-    tried = sorted(set(ranks[:left]))
-    assert tried[-1] == 16 and all(r == 0 for r in ranks[left:])
-    assert comp.lowrank.rows_left_behind == {"w": 1}
-    e = comp.feedback.buffer("w", 128 * 256) if comp.feedback else None
-    assert e is not None
-    g = _head_like_gradient(40, 1e-3, shared=False).reshape(-1).numpy()
-    assert rows_behind_share(e, g, 128, 256) <= 0.5  # quantized again: the backlog drained
-
-
 def test_lowrank_keeps_a_layer_whose_small_rows_its_factors_hold() -> None:
     comp = _tail()
     for step in range(40):
@@ -363,18 +342,6 @@ def test_lowrank_keeps_a_layer_whose_small_rows_its_factors_hold() -> None:
     # left behind like rows outside the subspace: the case above, caught the same way.)
     assert comp.lowrank is not None and comp.lowrank.rank_of("w") > 0
     assert comp.lowrank.rows_left_behind == {}
-
-
-def test_rows_behind_share_counts_rows_holding_back_more_than_their_gradient() -> None:
-    g = np.array([[1, 1], [2, 0], [0, 0], [0, 0], [3, 4]], np.float32)
-    e = np.array([[1, 1], [0, 2], [0, 0], [1, 0], [0, 0]], np.float32)
-    # Per row ||e||^2 / ||g||^2: 1, 1 (not past the limit), 0 (nothing held, nothing due),
-    # inf (held back, no gradient: behind), 0.
-    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 1 / 5
-    e[0] = 3  # 18 / 2
-    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 2 / 5
-    e[4] = np.nan
-    assert rows_behind_share(e.reshape(-1), g.reshape(-1), 5, 2) == 3 / 5
 
 
 def test_rows_lost_share_counts_rows_below_the_factor_grid() -> None:
