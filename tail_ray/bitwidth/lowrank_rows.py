@@ -58,7 +58,8 @@ def _rows_lost_count(pt, rows, rank, bucket_size, lmax):  # type: ignore[no-unty
                 noise[i] += d * d * f * (1.0 - f)  # stochastic rounding's variance
     count = 0
     for i in range(rows):
-        if noise[i] > energy[i] or energy[i] != energy[i]:  # no energy: nothing to lose
+        # A row with no energy has nothing to lose (0 > 0 is False); a NaN row counts as lost.
+        if noise[i] > energy[i] or energy[i] != energy[i]:
             count += 1
     return count
 
