@@ -181,16 +181,26 @@ def _warm(method: str, cap: Capture) -> list[Compressor]:
     return comps
 
 
+def run_step(
+    comps: list[Compressor], per_rank: list[dict[str, torch.Tensor]], lr: float
+) -> dict[str, torch.Tensor]:
+    """One step: every worker (one compressor each) compresses its gradients, then aggregates
+    every worker's payload, as the all-gather payload hook does. Returns rank 0's mean."""
+    payloads = []
+    for comp, grads in zip(comps, per_rank, strict=True):
+        comp.set_lr(lr)
+        payloads.append(comp.compress(grads))
+    means = []
+    for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
+        means.append({n: torch.empty_like(g) for n, g in grads.items()})
+        comp.aggregate(payloads, means[-1], own=rank)
+    return means[0]
+
+
 def run_workers(comps: list[Compressor], steps: list[list[dict[str, torch.Tensor]]], lr: float) -> None:
-    """Each step: every worker (one compressor each) compresses its gradients, then aggregates
-    every worker's payload, as the all-gather payload hook does."""
+    """``run_step`` over every step."""
     for per_rank in steps:
-        payloads = []
-        for comp, grads in zip(comps, per_rank, strict=True):
-            comp.set_lr(lr)
-            payloads.append(comp.compress(grads))
-        for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
-            comp.aggregate(payloads, {n: torch.empty_like(g) for n, g in grads.items()}, own=rank)
+        run_step(comps, per_rank, lr)
 
 
 # The streaming copy cycles through buffers adding up to this much, several times the last-level

@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobs.bench_codec import MODELS, add_capture_args, capture_gradients, models_of
+from jobs.bench_codec import MODELS, add_capture_args, capture_gradients, models_of, run_step
+from tail_ray.compression.base import Compressor
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.errors import ConfigError
 
@@ -74,7 +75,7 @@ class _Shadow:
         """One optimizer step on ``grads``; the parameter change per layer."""
         before = {n: p.detach().clone() for n, p in self.params.items()}
         for n, p in self.params.items():
-            p.grad = grads[n].clone()
+            p.grad = grads[n]  # fresh tensors each step: the optimizer only reads them
         self.opt.step()
         return {n: p.detach() - before[n] for n, p in self.params.items()}
 
@@ -88,21 +89,14 @@ def study_model(model_name: str, steps: int, keep: int, config: TailConfig, seed
     """Capture ``steps`` steps, then run both shadows over the last ``keep`` (module docstring)."""
     cap = capture_gradients(model_name, steps, keep, WORLD, seed=seed, keep_weights=True)
     assert cap.weights is not None
-    comps = [TailCompressor(config) for _ in range(WORLD)]
+    comps: list[Compressor] = [TailCompressor(config) for _ in range(WORLD)]
     true_shadow, tail_shadow = _Shadow(model_name, cap.weights), _Shadow(model_name, cap.weights)
     names = list(cap.grads[0][0])
     dot = dict.fromkeys(names, 0.0)
     true_sq = dict.fromkeys(names, 0.0)
     tail_sq = dict.fromkeys(names, 0.0)
     for per_rank in cap.grads:
-        payloads = []
-        for comp, grads in zip(comps, per_rank, strict=True):
-            comp.set_lr(cap.lr)
-            payloads.append(comp.compress({n: g.clone() for n, g in grads.items()}))
-        delivered = {n: torch.empty_like(g) for n, g in per_rank[0].items()}
-        for rank, comp in enumerate(comps):
-            into = delivered if rank == 0 else {n: torch.empty_like(g) for n, g in per_rank[rank].items()}
-            comp.aggregate(payloads, into, own=rank)
+        delivered = run_step(comps, per_rank, cap.lr)
         true_mean = {n: torch.stack([r[n] for r in per_rank]).mean(0) for n in names}
         u_true, u_tail = true_shadow.step(true_mean), tail_shadow.step(delivered)
         for n in names:
