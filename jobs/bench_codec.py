@@ -182,14 +182,20 @@ def _warm(method: str, cap: Capture) -> list[Compressor]:
 
 
 def run_step(
-    comps: list[Compressor], per_rank: list[dict[str, torch.Tensor]], lr: float
+    comps: list[Compressor],
+    per_rank: list[dict[str, torch.Tensor]],
+    lr: float,
+    sizes: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One step: every worker (one compressor each) compresses its gradients, then aggregates
-    every worker's payload, as the all-gather payload hook does. Returns rank 0's mean."""
+    every worker's payload, as the all-gather payload hook does. Returns rank 0's mean; each
+    payload's length in bytes is appended to ``sizes`` when given."""
     payloads = []
     for comp, grads in zip(comps, per_rank, strict=True):
         comp.set_lr(lr)
         payloads.append(comp.compress(grads))
+    if sizes is not None:
+        sizes.extend(len(p) for p in payloads)
     means = []
     for rank, (comp, grads) in enumerate(zip(comps, per_rank, strict=True)):
         means.append({n: torch.empty_like(g) for n, g in grads.items()})

@@ -27,6 +27,8 @@ goes). Per layer and over the model it prints:
   cos               the cosine between the two steps, over the kept steps
   v tail / v true   (Adam only) the median over coordinates of the two second moments at
                     the end, and its 90th percentile
+  traffic           the mean payload a worker sent per kept step, and fp32's size over it:
+                    what a variant's step costs, so two variants can be weighed
 
 Figures and what they mean: docs/engine.md, "Tail and Adam's second moment".
 """
@@ -95,8 +97,9 @@ def study_model(model_name: str, steps: int, keep: int, config: TailConfig, seed
     dot = dict.fromkeys(names, 0.0)
     true_sq = dict.fromkeys(names, 0.0)
     tail_sq = dict.fromkeys(names, 0.0)
+    sizes: list[int] = []
     for per_rank in cap.grads:
-        delivered = run_step(comps, per_rank, cap.lr)
+        delivered = run_step(comps, per_rank, cap.lr, sizes)
         true_mean = {n: torch.stack([r[n] for r in per_rank]).mean(0) for n in names}
         u_true, u_tail = true_shadow.step(true_mean), tail_shadow.step(delivered)
         for n in names:
@@ -117,6 +120,9 @@ def study_model(model_name: str, steps: int, keep: int, config: TailConfig, seed
         "steps": steps,
         "keep": keep,
         "model_step": total,
+        # What that step cost: the mean payload a worker sent per step, and fp32's over it.
+        "payload_bytes_per_step": float(np.mean(sizes)),
+        "ratio": 4 * sum(cap.grads[0][0][n].numel() for n in names) / float(np.mean(sizes)),
         "layers": [asdict(r) for r in layers],
     }
 
@@ -157,6 +163,8 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"{r['layer']:44s} {r['numel']:8d} {r['along']:16.3f} {r['cos']:6.3f} {v:>14s} {p90:>6s}")
     t = res["model_step"]
     print(f"{'whole model':44s} {'':8s} {t['along']:16.3f} {t['cos']:6.3f}")
+    sent = res["payload_bytes_per_step"]
+    print(f"traffic: {sent:,.0f} B per worker per step ({res['ratio']:.2f}x less than fp32)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
-    print(json.dumps({r["model"]: r["model_step"] for r in results}))
+    print(json.dumps({r["model"]: {**r["model_step"], "ratio": r["ratio"]} for r in results}))
     return 0
 
 

@@ -21,6 +21,8 @@ def test_a_lossless_setting_gives_the_optimizers_the_true_steps(tmp_path):
     assert results["digits_cnn"]["optimizer"] == "SGD" and results["char_transformer"]["optimizer"] == "Adam"
     for res in results.values():
         assert summary[res["model"]]["along"] == pytest.approx(1.0, abs=1e-6)
+        # Raw fp32 plus the payload's framing: a little more than the gradients' own bytes.
+        assert 0.9 < res["ratio"] < 1.0 and res["payload_bytes_per_step"] > 0
         for row in res["layers"]:
             assert row["along"] == pytest.approx(1.0, abs=1e-5) and row["cos"] == pytest.approx(1.0, abs=1e-5)
             if res["optimizer"] == "Adam":
@@ -42,6 +44,7 @@ def test_tails_error_inflates_adams_second_moment_and_shortens_its_step():
     # SGD's step is linear in the gradient: the error turns it (cos < 1), it does not shorten it.
     assert sgd["along"] == pytest.approx(1.0, abs=0.02) and sgd["cos"] < 0.9999
     assert adam["along"] < sgd["along"] - 0.03
+    assert adam["ratio"] > 4 and sgd["ratio"] > 4  # and what those steps cost on the wire
 
 
 def test_optimizer_study_help_and_refuses_a_bad_variant(capsys):
