@@ -40,6 +40,7 @@ import torch
 
 from tail_ray.bitwidth.plan import pick_bits
 from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.collective.state import linear_in_gradient
 from tail_ray.compression import make_compressor
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.record_compressor import RecordCompressor
@@ -95,6 +96,9 @@ class Capture:
     grads: list[list[dict[str, torch.Tensor]]]  # [step][rank] -> {layer: grad}
     losses: list[float]
     weights: dict[str, torch.Tensor] | None = None  # the parameters at the first kept step (keep_weights)
+    # Whether the model's optimizer is linear in the gradient (SGD): the budget a trainer would
+    # give its compressors (``comp.set_linear_optimizer(cap.linear)``, bitwidth/policy.py).
+    linear: bool = False
 
 
 def capture_gradients(
@@ -127,7 +131,8 @@ def capture_gradients(
         opt.step()
         if step >= steps - keep:
             kept.append(per_rank)
-    return Capture(model_name, steps, float(opt.param_groups[0]["lr"]), kept, losses, weights)
+    lr = float(opt.param_groups[0]["lr"])
+    return Capture(model_name, steps, lr, kept, losses, weights, linear=linear_in_gradient(opt))
 
 
 def _time_per_call(fn: Callable[[], Any], min_total_s: float, max_reps: int, batches: int = 5) -> float:

@@ -270,6 +270,7 @@ def _train_one(
             settings.setdefault("collective", collective)
     state = register_tail_hook(ddp, method, settings or None)
     opt = _optimizer(task, ddp.parameters())
+    state.set_optimizer(opt)  # what tail_ray.train's session does at the first step
     drop_step = int(task.lr_drop_at * steps)
     step_s: list[float] = []
     sent: list[int] = []

@@ -192,6 +192,8 @@ def study_model(
     cap = capture_gradients(model, steps, keep, 2, seed=seed)
     probe = _Probe(TailConfig(seed=1234))
     comps = [probe, TailCompressor(TailConfig(seed=4321))]
+    for comp in comps:
+        comp.set_linear_optimizer(cap.linear)  # the budget training on this optimizer gets
     n_warm = len(cap.grads) - eval_steps
     layers: dict[str, dict[str, Any]] = {}
     payload_bytes = 0

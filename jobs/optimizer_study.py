@@ -93,6 +93,8 @@ def study_model(model_name: str, steps: int, keep: int, config: TailConfig, seed
     assert cap.weights is not None
     comps: list[Compressor] = [TailCompressor(config) for _ in range(WORLD)]
     true_shadow, tail_shadow = _Shadow(model_name, cap.weights), _Shadow(model_name, cap.weights)
+    for comp in comps:  # the budget a trainer on this optimizer gets (bitwidth/policy.py)
+        comp.set_linear_optimizer(cap.linear)
     names = list(cap.grads[0][0])
     dot = dict.fromkeys(names, 0.0)
     true_sq = dict.fromkeys(names, 0.0)

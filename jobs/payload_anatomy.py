@@ -140,6 +140,8 @@ def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, 
 
 def run_model(cap: Capture, config: TailConfig) -> dict[str, Any]:
     comps: list[Compressor] = [TailCompressor(config) for _ in cap.grads[0]]
+    for comp in comps:
+        comp.set_linear_optimizer(cap.linear)  # the budget training on this optimizer gets
     run_workers(comps, cap.grads[:-1], cap.lr)
     assert isinstance(comps[0], TailCompressor)
     comps[0].set_lr(cap.lr)

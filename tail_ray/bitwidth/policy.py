@@ -11,6 +11,14 @@ spread between them is a free per-layer estimate of the mini-batch noise:
 with ``noise_fraction`` = 1/4 by default: compression may add at most a quarter of the noise
 SGD already has (r <= 1 by construction, so tau <= 1/4 outside critical phases).
 
+Once the trainer says the optimizer is linear in the gradient (plain or momentum SGD:
+``set_linear``), ``linear_noise_fraction`` (1/2 by default) takes its place. With error
+feedback, what such an optimizer does with the compressed gradients telescopes: the sum of
+its steps is the true sum less lr times the residual still held back, so the noise only
+delays part of the step. An adaptive optimizer (Adam: m / sqrt(v)) adds the noise's square to
+v and shortens every step instead, so it keeps the tighter fraction, and so does a trainer
+that never says (docs/engine.md, "The budget follows the optimizer").
+
 (d_i are the decoded peers' gradients; see ``relative_noise`` for the correction, so
 compression does not feed its own budget.) Without peers (world size
 1, or before the first all-gather) tau is ``tau_default``.
@@ -57,6 +65,7 @@ class Phase(StrEnum):
 @dataclass(frozen=True)
 class BudgetSettings:
     noise_fraction: float
+    linear_noise_fraction: float
     tau_default: float
     tau_min: float
     tau_max: float
@@ -78,8 +87,22 @@ class BudgetPolicy:
         self._noise_sums: dict[str, tuple[float, ...]] = {}  # running (spread, mean_sq, nu)
         self._log_norm: dict[str, tuple[float, float, float]] = {}  # (short, long, count)
         self._layer_critical_until: dict[str, int] = {}
+        self._linear = False  # whether the optimizer is known to be linear in the gradient
 
     # --- signals -------------------------------------------------------------------------
+    def set_linear(self, linear: bool) -> None:
+        """Whether the optimizer stepping on these gradients is linear in them (module doc)."""
+        self._linear = bool(linear)
+
+    @property
+    def linear(self) -> bool:
+        return self._linear
+
+    @property
+    def noise_fraction(self) -> float:
+        """The fraction of SGD noise compression may add now (module doc)."""
+        return self.s.linear_noise_fraction if self._linear else self.s.noise_fraction
+
     def set_lr(self, lr: float, step: int) -> None:
         if not math.isfinite(lr) or lr < 0:
             return
@@ -192,7 +215,7 @@ class BudgetPolicy:
 
     def tau(self, name: str, step: int) -> float:
         noise = self.relative_noise(name)
-        base = self.s.tau_default if noise is None else self.s.noise_fraction * noise
+        base = self.s.tau_default if noise is None else self.noise_fraction * noise
         return min(self.s.tau_max, max(self.s.tau_min, base * self.phase_factor(name, step)))
 
     # --- checkpoint ----------------------------------------------------------------------
@@ -204,6 +227,7 @@ class BudgetPolicy:
             "noise_sums": {k: list(v) for k, v in self._noise_sums.items()},
             "log_norm": {k: list(v) for k, v in self._log_norm.items()},
             "layer_critical_until": dict(self._layer_critical_until),
+            "linear": self._linear,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -215,3 +239,4 @@ class BudgetPolicy:
             str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in dict(state["log_norm"]).items()
         }
         self._layer_critical_until = {str(k): int(v) for k, v in dict(state["layer_critical_until"]).items()}
+        self._linear = bool(state.get("linear", False))  # checkpoints from before it: not known

@@ -191,6 +191,10 @@ class PayloadHookState(HookState):
         for compressor in self.compressors().values():
             compressor.set_lr(float(lr))
 
+    def set_linear_optimizer(self, linear: bool) -> None:
+        for compressor in self.compressors().values():
+            compressor.set_linear_optimizer(bool(linear))
+
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state; the collective's own compressors (a second stage) by role;
         and, for a resize, what each compressor's residuals are worth to the mean."""

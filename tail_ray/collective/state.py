@@ -43,6 +43,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
+def linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step is linear in the gradient: torch.optim.SGD and its
+    subclasses (momentum, Nesterov, weight decay: all linear in it). Anything else (Adam, AdamW,
+    RMSprop, Adagrad, a user's own class) counts as adaptive, the cautious answer: its budget
+    stays the tighter one (bitwidth/policy.py)."""
+    return isinstance(optimizer, torch.optim.SGD)
+
 class HookState:
     """State of one registered hook (see ``register_tail_hook``): the base of every family.
 
@@ -129,6 +136,16 @@ class HookState:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the coming step; families with a controller pass it on."""
+        return None  # a no-op by default
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer stepping on what this hook delivers (tail_ray.train's session says it at
+        its first step; a plain DDP script may call it once it has built one). Families with a
+        controller set their budget by whether it is linear in the gradient (bitwidth/policy.py)."""
+        self.set_linear_optimizer(linear_in_gradient(optimizer))
+
+    def set_linear_optimizer(self, linear: bool) -> None:
+        """``set_optimizer``'s answer, for a trainer that knows it without an optimizer object."""
         return None  # a no-op by default
 
     # -- checkpoints ---------------------------------------------------------------------------

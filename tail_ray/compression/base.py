@@ -150,6 +150,11 @@ class Compressor(ABC):
         """The learning rate of the coming step (a controller may tighten after a drop)."""
         return None  # a no-op by default
 
+    def set_linear_optimizer(self, linear: bool) -> None:
+        """Whether the optimizer stepping on the delivered gradients is linear in them (plain
+        or momentum SGD); a controller may then loosen its budget (bitwidth/policy.py)."""
+        return None  # a no-op by default
+
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state, keyed by layer name (never by DDP bucket index)."""
         return {}

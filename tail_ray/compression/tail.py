@@ -274,12 +274,18 @@ class TailCompressor(RecordCompressor):
         assert isinstance(stage, TailCompressor)
         stage.lowrank, stage.controller.bucket_choice = None, "fixed"  # it re-compresses slices
         self._mean_budgets.append(stage.controller.policy)
+        stage.set_linear_optimizer(self.controller.policy.linear)
         return stage
 
     # --- signals from the collective / trainer ---------------------------------------------
     def set_lr(self, lr: float) -> None:
         """Called each step before backward; an lr drop or rise tightens the budget."""
         self.controller.policy.set_lr(float(lr), self.step)
+
+    def set_linear_optimizer(self, linear: bool) -> None:
+        """The budget's noise fraction follows the optimizer (bitwidth/policy.py), in both stages."""
+        for budget in (self.controller.policy, *self._mean_budgets):
+            budget.set_linear(linear)
 
     def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
         """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.

@@ -41,6 +41,12 @@ class TailConfig:
         the average sees grows by <= 25 %, like a <= 20 % smaller batch). Measured: 1.0
         (3 bits) cost the char LM +2.2-2.5 % validation loss, 0.35 +1.4-1.7 %, 0.25 (4 bits)
         +0.2-1.3 %, mean +0.9 % (docs/engine.md).
+    linear_noise_fraction: the noise fraction once the trainer says the optimizer is linear
+        in the gradient (torch.optim.SGD, with or without momentum: tail_ray.train's session
+        and register_tail_hook's state tell it). Error feedback keeps such an optimizer's
+        steps exact on average, where Adam's shrink (bitwidth/policy.py); set it equal to
+        noise_fraction for one budget whatever the optimizer (docs/engine.md, "The budget
+        follows the optimizer").
     tau_default: tau while no spread is known (world size 1, first step).
     tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
     warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical
@@ -89,6 +95,7 @@ class TailConfig:
     redecide_every_steps: int = 20
     norm_drift: float = 1.0
     noise_fraction: float = 0.25
+    linear_noise_fraction: float = 0.5
     tau_default: float = 0.25
     tau_min: float = 1e-3
     tau_max: float = 0.5
@@ -132,7 +139,8 @@ class TailConfig:
             raise ConfigError(f"sample_numel must be >= 1 or None (exact), got {self.sample_numel}")
         if self.redecide_every_steps < 1:
             raise ConfigError(f"redecide_every_steps must be >= 1, got {self.redecide_every_steps}")
-        for name in ("norm_drift", "noise_fraction", "tau_default", "tau_min", "tau_max"):
+        fractions = ("noise_fraction", "linear_noise_fraction", "tau_default", "tau_min", "tau_max")
+        for name in ("norm_drift", *fractions):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive finite number, got {v!r}")
@@ -192,6 +200,7 @@ class TailConfig:
     def budget_settings(self) -> BudgetSettings:
         return BudgetSettings(
             noise_fraction=self.noise_fraction,
+            linear_noise_fraction=self.linear_noise_fraction,
             tau_default=self.tau_default,
             tau_min=self.tau_min,
             tau_max=self.tau_max,

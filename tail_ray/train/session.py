@@ -8,7 +8,8 @@ three hooks, so the user's loop needs no further call:
 - a forward pre-hook on the model reads the learning rate of the optimizer stepping it
   (``param_groups[0]["lr"]``) and passes changes to the controller before the backward that
   compresses: a scheduler's drop is seen at the step it takes effect (``set_lr`` overrides);
-- torch's global optimizer step pre-hook, for the optimizer holding the model's parameters:
+- torch's global optimizer step pre-hook, for the optimizer holding the model's parameters
+  (its class is told to the hook state: SGD gets a looser budget than Adam, bitwidth/policy.py):
   with world size 1 (no DDP wrapper, nothing to exchange) it runs the method's local round
   trip on the gradients, so a one-worker run has the same compression noise and metrics;
 - the matching post-hook drains what the comm hook did during the step and hands one
@@ -238,6 +239,9 @@ class TrainSession:
             return False
         if any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
             self._optimizer = weakref.ref(optimizer)
+            # Its kind sets the budget (bitwidth/policy.py); the first step runs in Tail's
+            # warm-up, so the budget is in place before it matters.
+            self.state.set_optimizer(optimizer)
             return True
         self._foreign.add(optimizer)
         return False

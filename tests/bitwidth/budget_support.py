@@ -10,6 +10,7 @@ from tail_ray.bitwidth.policy import BudgetSettings
 def budget_settings(**over: Any) -> BudgetSettings:
     base: dict[str, Any] = dict(
         noise_fraction=1.0,
+        linear_noise_fraction=1.0,
         tau_default=0.25,
         tau_min=1e-3,
         tau_max=0.5,

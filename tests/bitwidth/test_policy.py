@@ -4,6 +4,7 @@ import pytest
 
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings, Phase
 from tail_ray.compression.tail import TailConfig
+from tail_ray.errors import ConfigError
 
 
 def _policy(**over) -> BudgetPolicy:
@@ -111,3 +112,43 @@ def test_default_budget_is_a_quarter_of_the_sgd_noise(r):
     # which on max-abs buckets of 512 rules out 3 bits (nu_3 ~ 0.2-0.37 on real gradients) for
     # pure-noise layers unless their distribution makes 3 bits that accurate.
     assert p.tau("w", s) <= 0.25
+
+
+@pytest.mark.parametrize("r", [0.9, 0.6, 0.1])
+def test_a_linear_optimizer_gets_half_the_sgd_noise_and_adam_keeps_a_quarter(r):
+    # SGD's step is linear in the gradient: with error feedback the compressed steps add up to
+    # the true ones less lr times the residual, so it may take twice Adam's fraction (measured:
+    # docs/engine.md, "The budget follows the optimizer").
+    p = _policy()
+    _noise(p, "w", r)
+    s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
+    assert not p.linear and p.tau("w", s) == pytest.approx(r / 4)
+    p.set_linear(True)
+    assert p.linear and p.noise_fraction == TailConfig().linear_noise_fraction
+    assert p.tau("w", s) == pytest.approx(min(r / 2, TailConfig().tau_max))
+    assert p.tau("w", 0) == pytest.approx(r / 4)  # critical phases still halve it
+    p.set_linear(False)
+    assert p.tau("w", s) == pytest.approx(r / 4)
+    # One budget whatever the optimizer, when asked for.
+    same = _policy(linear_noise_fraction=0.25)
+    same.set_linear(True)
+    _noise(same, "w", r)
+    assert same.tau("w", s) == pytest.approx(r / 4)
+
+
+def test_the_optimizer_kind_survives_a_checkpoint_and_old_ones_load_as_unknown():
+    p = _policy()
+    p.set_linear(True)
+    q = _policy()
+    q.load_state_dict(p.state_dict())
+    assert q.linear
+    old = {k: v for k, v in p.state_dict().items() if k != "linear"}  # written before the field
+    q.load_state_dict(old)
+    assert not q.linear
+
+
+def test_linear_noise_fraction_is_validated():
+    with pytest.raises(ConfigError, match="linear_noise_fraction"):
+        TailConfig(linear_noise_fraction=0)
+    with pytest.raises(ConfigError, match="linear_noise_fraction"):
+        TailConfig(linear_noise_fraction=float("nan"))

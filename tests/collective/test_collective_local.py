@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from tail_ray.collective import METHODS, compress_gradients_locally, make_hook_state, register_tail_hook
+from tail_ray.collective.state import linear_in_gradient
 from tail_ray.errors import ConfigError
 
 
@@ -121,6 +122,34 @@ def test_set_lr_reaches_the_compressor():
     state.set_lr(0.01)  # a drop: Tail's budget policy enters its lr-drop phase
     assert state.compressor.controller.policy.state_dict()["lr"] == 0.01
     make_hook_state(_model(), "none").set_lr(0.1)  # no compressor: a no-op, not an error
+
+
+class _MySGD(torch.optim.SGD):
+    """A user's subclass of SGD: still linear in the gradient."""
+
+
+@pytest.mark.parametrize(
+    ("make", "linear"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4), True),
+        (lambda ps: _MySGD(ps, lr=0.1), True),
+        (lambda ps: torch.optim.Adam(ps), False),
+        (lambda ps: torch.optim.AdamW(ps), False),
+        (lambda ps: torch.optim.RMSprop(ps), False),
+        (lambda ps: torch.optim.Adagrad(ps), False),
+    ],
+)
+def test_the_optimizer_sets_the_budget_of_every_stage(make, linear):
+    model = _model()
+    assert linear_in_gradient(make(model.parameters())) is linear
+    state = make_hook_state(model, "tail")
+    stage = state.compressor.second_stage()  # made before: told too
+    state.set_optimizer(make(model.parameters()))
+    later = state.compressor.second_stage()  # made after: inherits it
+    for compressor in (state.compressor, stage, later):
+        assert compressor.controller.policy.linear is linear
+    make_hook_state(_model(), "none").set_optimizer(make(model.parameters()))  # a no-op
 
 
 @pytest.mark.parametrize("method", ["qsgd", "topk", "tail"])

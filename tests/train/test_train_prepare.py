@@ -87,6 +87,18 @@ def test_world_size_one_reports_every_optimizer_step_and_sees_the_schedulers_lr(
     assert writer.closed
 
 
+@pytest.mark.parametrize(("optimizer_class", "linear"), [(torch.optim.SGD, True), (torch.optim.AdamW, False)])
+def test_the_session_tells_the_budget_which_optimizer_steps(optimizer_class: type, linear: bool) -> None:
+    model = tt.prepare_model(TwoTowers(), "tail", metrics=tt.ListWriter())
+    policy = tt.current_session().state.compressor.controller.policy
+    assert not policy.linear  # nothing known before the first step: the cautious budget
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = _batch(0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert policy.linear is linear
+
+
 def test_set_lr_overrides_the_optimizer_and_unknown_settings_fail_early() -> None:
     tt.prepare_model(TwoTowers(), "tail", metrics=tt.ListWriter())
     session = tt.current_session()
