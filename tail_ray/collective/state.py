@@ -50,6 +50,7 @@ def linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
     stays the tighter one (bitwidth/policy.py)."""
     return isinstance(optimizer, torch.optim.SGD)
 
+
 class HookState:
     """State of one registered hook (see ``register_tail_hook``): the base of every family.
 

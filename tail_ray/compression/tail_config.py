@@ -44,7 +44,7 @@ class TailConfig:
     linear_noise_fraction: the noise fraction once the trainer says the optimizer is linear
         in the gradient (torch.optim.SGD, with or without momentum: tail_ray.train's session
         and register_tail_hook's state tell it). Error feedback keeps such an optimizer's
-        steps exact on average, where Adam's shrink (bitwidth/policy.py); set it equal to
+        steps exact on average, where Adam's steps shrink (bitwidth/policy.py); set it equal to
         noise_fraction for one budget whatever the optimizer (docs/engine.md, "The budget
         follows the optimizer").
     tau_default: tau while no spread is known (world size 1, first step).
