@@ -32,12 +32,12 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from jobs.output_path import output_file
 from tail_ray.bitwidth.plan import pick_bits
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.collective.state import linear_in_gradient
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     parser.add_argument("--quick", action="store_true", help="few training steps, short timings (< 1 min)")
-    parser.add_argument("--json", type=Path, help="also write all results as JSON to this path")
+    parser.add_argument("--json", type=output_file, help="also write all results as JSON to this path")
     parser.add_argument(
         "--models",
         default=",".join(DEFAULT_MODELS),

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from jobs.output_path import output_file
 from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
 from tail_ray.collective.choice import Collective
 from tail_ray.collective.launch import run_local_group
@@ -611,10 +612,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps (about 2 minutes)")
-    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--json", type=output_file, help="also write the results as JSON here")
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=output_file,
         metavar="PNG",
         help="also write a heat map of each tail row's bits per layer over steps (rank 0's) here",
     )

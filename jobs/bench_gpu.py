@@ -39,10 +39,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from jobs.output_path import output_file
 
 log = logging.getLogger("bench_gpu")
 
@@ -352,7 +353,7 @@ def print_tables(meta: dict[str, Any], rows: list[CodecRow], ddp: list[DdpRow]) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--json", type=output_file, help="also write the figures here")
     ap.add_argument("--quick", action="store_true", help="2 blocks of d=512 (12.6M) instead of 12 of d=1024")
     ap.add_argument("--repeats", type=int, default=10, help="timed calls per device-only row (min taken)")
     ap.add_argument("--slow-repeats", type=int, default=3, help="timed calls per compressor row")
@@ -408,7 +409,6 @@ def main(argv: list[str] | None = None) -> int:
     ddp = ddp_rows(device, ddp_d, steps) if steps > 0 else []
     print_tables(meta, rows, ddp)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"meta": meta, "codec": [asdict(r) for r in rows], "ddp": [asdict(r) for r in ddp]}
         args.json.write_text(json.dumps(doc, indent=2))
         print(f"\nwrote {args.json}")

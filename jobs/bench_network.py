@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.output_path import output_file
+
 logger = logging.getLogger("bench_network")
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay (needs netem)")
-    parser.add_argument("--json", help="write results to this JSON file")
+    parser.add_argument("--json", type=output_file, help="write results to this JSON file")
     # Worker-side arguments (internal).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--master-port"):
@@ -392,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
             r.speedup_vs_none = base[(r.link, r.model)] / r.step_s_median
     print_table(results)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
             json.dumps(
                 {

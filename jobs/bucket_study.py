@@ -37,13 +37,13 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from jobs.bench_codec import add_capture_args, capture_gradients, models_of
+from jobs.output_path import output_file
 from tail_ray.bitwidth.quant_error import bucket_errors
 from tail_ray.compression.code_table import DEFAULT_CODES
 from tail_ray.compression.device import LayerArray
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bits", default=",".join(map(str, DEFAULT_BITS)), help="default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="data / model seed (default %(default)s)")
-    parser.add_argument("--json", type=Path, help="also write the full results as JSON here")
+    parser.add_argument("--json", type=output_file, help="also write the full results as JSON here")
     args = parser.parse_args(argv)
     models = models_of(parser, args.models)
     try:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jobs.output_path import output_file
 from tail_ray.collective.cost import COLLECTIVES, RING, Codec, Link, collective_cost
 from tail_ray.collective.shards import MIN_SLICE_NUMEL, model_layout
 
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     table.add_argument("--decode-gbps", type=float)
     table.add_argument("--alpha-us", type=float, default=50.0, help="latency per message round (µs)")
-    table.add_argument("--json", type=Path, help="also write the rows here")
+    table.add_argument("--json", type=output_file, help="also write the rows here")
     sim = sub.add_parser("simulate", help="real shard layout to 1024 ranks: bytes per rank in payloads")
     sim.add_argument("--model", choices=sorted(SIM_MODELS), default="gpt2_small")
     sim.add_argument("--max-world-size", type=int, default=1024)

@@ -39,13 +39,13 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from jobs.bench_codec import MODELS, add_capture_args, capture_gradients, models_of, run_step
+from jobs.output_path import output_file
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.errors import ConfigError
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="TailConfig settings, e.g. '{\"small_layer_bits\": 32}'",
     )
-    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--json", type=output_file, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     models = models_of(parser, args.models)
     if not 1 <= args.keep <= args.steps:

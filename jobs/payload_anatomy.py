@@ -33,13 +33,13 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from jobs.bench_codec import Capture, add_capture_args, capture_gradients, models_of, run_workers
+from jobs.output_path import output_file
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.code_table import DEFAULT_CODES
 from tail_ray.compression.codes import Code, LevelStats
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         help="Tail's raw_below_numel to analyse (repeatable; default: Tail's default)",
     )
     parser.add_argument("--seed", type=int, default=0, help="data / model seed (default %(default)s)")
-    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--json", type=output_file, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     models = models_of(parser, args.models)
     if not 2 <= args.keep <= args.steps:
