@@ -9,7 +9,8 @@ spread between them is a free per-layer estimate of the mini-batch noise:
     tau = clip(noise_fraction * r * phase_factor, tau_min, tau_max)
 
 with ``noise_fraction`` = 1/4 by default: compression may add at most a quarter of the noise
-SGD already has (r <= 1 by construction, so tau <= 1/4 outside critical phases).
+SGD already has (r <= 1 by construction, so tau <= 1/4 outside critical phases; 1/2 for the
+linear optimizers below).
 
 Once the trainer says the optimizer is linear in the gradient (plain or momentum SGD:
 ``set_linear``), ``linear_noise_fraction`` (1/2 by default) takes its place. With error
@@ -88,11 +89,13 @@ class BudgetPolicy:
         self._log_norm: dict[str, tuple[float, float, float]] = {}  # (short, long, count)
         self._layer_critical_until: dict[str, int] = {}
         self._linear = False  # whether the optimizer is known to be linear in the gradient
+        self._told = False  # whether this process was told (set_linear): then a checkpoint's is stale
 
     # --- signals -------------------------------------------------------------------------
     def set_linear(self, linear: bool) -> None:
         """Whether the optimizer stepping on these gradients is linear in them (module doc)."""
         self._linear = bool(linear)
+        self._told = True
 
     @property
     def linear(self) -> bool:
@@ -239,4 +242,8 @@ class BudgetPolicy:
             str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in dict(state["log_norm"]).items()
         }
         self._layer_critical_until = {str(k): int(v) for k, v in dict(state["layer_critical_until"]).items()}
-        self._linear = bool(state.get("linear", False))  # checkpoints from before it: not known
+        # The optimizer is this run's, not the checkpoint's: once the trainer has said which it
+        # is (a checkpoint loaded after the first step, an SGD run resuming from an Adam one),
+        # its answer stays. Before that, the saved answer; checkpoints from before it: not known.
+        if not self._told:
+            self._linear = bool(state.get("linear", False))

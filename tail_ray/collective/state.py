@@ -17,6 +17,7 @@ every checkpoint; it loads unchanged, each family reading only its own keys.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -44,11 +45,15 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def linear_in_gradient(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s step is linear in the gradient: torch.optim.SGD and its
-    subclasses (momentum, Nesterov, weight decay: all linear in it). Anything else (Adam, AdamW,
-    RMSprop, Adagrad, a user's own class) counts as adaptive, the cautious answer: its budget
-    stays the tighter one (bitwidth/policy.py)."""
-    return isinstance(optimizer, torch.optim.SGD)
+    """Whether ``optimizer``'s step is linear in the gradient: torch.optim.SGD (momentum,
+    Nesterov, weight decay, maximize: all linear in it), and subclasses that keep its ``step``.
+    Anything else (Adam, AdamW, RMSprop, Adagrad, a user's own class, an SGD subclass with its
+    own step such as sign-SGD or LARS) counts as adaptive, the cautious answer: its budget stays
+    the tighter one (bitwidth/policy.py)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    # torch wraps ``step`` per class (profiling, no_grad); unwrapped, an inherited step is SGD's.
+    return inspect.unwrap(type(optimizer).step) is inspect.unwrap(torch.optim.SGD.step)
 
 
 class HookState:

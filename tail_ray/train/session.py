@@ -18,8 +18,10 @@ three hooks, so the user's loop needs no further call:
 
 Only the first optimizer seen stepping the model's parameters counts (a second one covering
 the same model would otherwise split every step in two); if it is garbage-collected, the next
-one seen takes its place. With gradient accumulation (``no_sync``) a step is an optimizer step:
-the hook communicates once per step, and so do the records.
+one seen takes its place. Every one of them has a say in the budget, though: the looser one
+(SGD's) holds only while all of them are linear in the gradient. With gradient accumulation
+(``no_sync``) a step is an optimizer step: the hook communicates once per step, and so do the
+records.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from tail_ray.collective import (
     make_hook_state,
     method_spec,
 )
-from tail_ray.collective.state import unwrap
+from tail_ray.collective.state import linear_in_gradient, unwrap
 from tail_ray.errors import ConfigError
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.train.writers import CLOSE_TIMEOUT_S, MetricsWriter
@@ -163,6 +165,8 @@ class TrainSession:
         self._param_ids = frozenset(id(p) for p in unwrap(model).parameters())
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._foreign: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._judged: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # they step the model
+        self._all_linear = True  # every optimizer in _judged is linear in the gradient (policy.py)
         self._manual_lr = False
         self._lr: float | None = None
         self._loss: torch.Tensor | float | None = None
@@ -233,18 +237,24 @@ class TrainSession:
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """True for the optimizer whose steps are this model's steps (see the module doc)."""
         bound = self._optimizer() if self._optimizer is not None else None
-        if bound is not None:
-            return bound is optimizer
+        if bound is optimizer:
+            return True
         if optimizer in self._foreign:
             return False
-        if any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
-            self._optimizer = weakref.ref(optimizer)
-            # Its kind sets the budget (bitwidth/policy.py); the first step runs in Tail's
-            # warm-up, so the budget is in place before it matters.
-            self.state.set_optimizer(optimizer)
-            return True
-        self._foreign.add(optimizer)
-        return False
+        if optimizer not in self._judged:
+            if not any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
+                self._foreign.add(optimizer)
+                return False
+            # The budget is the model's, so it is the looser one only while every optimizer
+            # stepping the model's parameters is linear (an Adam on part of it keeps the cautious
+            # one). The first step runs in Tail's warm-up: the budget is in place before it matters.
+            self._judged.add(optimizer)
+            self._all_linear = self._all_linear and linear_in_gradient(optimizer)
+            self.state.set_linear_optimizer(self._all_linear)
+        if bound is not None:
+            return False
+        self._optimizer = weakref.ref(optimizer)
+        return True
 
     def _pass_lr(self, lr: Any) -> None:
         value = float(lr)  # a tensor lr (capturable optimizers) too

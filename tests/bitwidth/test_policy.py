@@ -147,6 +147,23 @@ def test_the_optimizer_kind_survives_a_checkpoint_and_old_ones_load_as_unknown()
     assert not q.linear
 
 
+def test_a_checkpoint_does_not_overrule_the_optimizer_this_run_was_told_of():
+    # An SGD run loading an Adam run's checkpoint (or one from before the field) after its first
+    # step keeps the answer for the optimizer that is stepping now.
+    adam = _policy()
+    adam.set_linear(False)
+    sgd = _policy()
+    sgd.set_linear(True)
+    sgd.load_state_dict(adam.state_dict())
+    assert sgd.linear
+    sgd.load_state_dict({k: v for k, v in adam.state_dict().items() if k != "linear"})
+    assert sgd.linear
+    told_adam = _policy()
+    told_adam.set_linear(False)
+    told_adam.load_state_dict(sgd.state_dict())
+    assert not told_adam.linear
+
+
 def test_linear_noise_fraction_is_validated():
     with pytest.raises(ConfigError, match="linear_noise_fraction"):
         TailConfig(linear_noise_fraction=0)

@@ -128,12 +128,24 @@ class _MySGD(torch.optim.SGD):
     """A user's subclass of SGD: still linear in the gradient."""
 
 
+class _SignSGD(torch.optim.SGD):
+    """An SGD subclass with its own step (sign-SGD, LARS, normalized SGD): not linear in it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
 @pytest.mark.parametrize(
     ("make", "linear"),
     [
         (lambda ps: torch.optim.SGD(ps, lr=0.1), True),
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4), True),
         (lambda ps: _MySGD(ps, lr=0.1), True),
+        (lambda ps: _SignSGD(ps, lr=0.1), False),
         (lambda ps: torch.optim.Adam(ps), False),
         (lambda ps: torch.optim.AdamW(ps), False),
         (lambda ps: torch.optim.RMSprop(ps), False),

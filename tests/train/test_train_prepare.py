@@ -99,6 +99,38 @@ def test_the_session_tells_the_budget_which_optimizer_steps(optimizer_class: typ
     assert policy.linear is linear
 
 
+@pytest.mark.parametrize("sgd_first", [True, False])
+def test_an_adam_on_part_of_the_model_keeps_the_cautious_budget(sgd_first: bool) -> None:
+    # The budget is the model's: SGD on the head and Adam on the trunk is not a linear optimizer,
+    # whichever of them steps first (only the first one seen makes the step records).
+    model = tt.prepare_model(TwoTowers(), "tail", metrics=tt.ListWriter())
+    policy = tt.current_session().state.compressor.controller.policy
+    sgd = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    adam = torch.optim.Adam([*model.trunk.parameters(), *model.spare.parameters()], lr=1e-3)
+    for step in range(3):
+        x, y = _batch(step, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        for optimizer in (sgd, adam) if sgd_first else (adam, sgd):
+            optimizer.step()
+            optimizer.zero_grad()
+        assert not policy.linear
+    assert len(_records(tt.current_session().writer, "step")) == 3  # one record per step
+    tt.finish()
+
+
+def test_a_checkpoint_loaded_after_the_first_step_keeps_this_runs_optimizer() -> None:
+    model = tt.prepare_model(TwoTowers(), "tail", metrics=tt.ListWriter())
+    session = tt.current_session()
+    saved = session.state_dict()  # before any step: the optimizer not known
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = _batch(0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    sgd.step()
+    session.load_state_dict(saved)
+    assert session.state.compressor.controller.policy.linear
+    tt.finish()
+
+
 def test_set_lr_overrides_the_optimizer_and_unknown_settings_fail_early() -> None:
     tt.prepare_model(TwoTowers(), "tail", metrics=tt.ListWriter())
     session = tt.current_session()
