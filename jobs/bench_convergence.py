@@ -197,7 +197,7 @@ def _steady_mean(values: list[float]) -> float:
     return statistics.mean(values[WARMUP_STEPS_EXCLUDED:] or values)
 
 
-def _optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
+def make_optimizer(task: Task, params: Any) -> torch.optim.Optimizer:
     if task.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=task.lr, weight_decay=0.01)
     return torch.optim.SGD(params, lr=task.lr, momentum=0.9)
@@ -270,7 +270,7 @@ def _train_one(
         if collective is not None:
             settings.setdefault("collective", collective)
     state = register_tail_hook(ddp, method, settings or None)
-    opt = _optimizer(task, ddp.parameters())
+    opt = make_optimizer(task, ddp.parameters())
     state.set_optimizer(opt)  # what tail_ray.train's session does at the first step
     drop_step = int(task.lr_drop_at * steps)
     step_s: list[float] = []

@@ -1,0 +1,333 @@
+"""Closed-loop training with simulated workers, for quantizers not (yet) in the engine, beside Tail.
+
+    python -m jobs.quantizer_study [--task lm] [--methods none,tail,dither-3,adam-dither-3]
+                                   [--seeds 0,1,2] [--steps 300] [--warmup-steps 5] [--json PATH]
+
+Why: ``jobs.optimizer_study`` weighs a quantizer open loop, by how much of the optimizer's true
+step it delivers. This one trains with it, so the final validation metric says whether that
+step was worth its bytes. Two workers are simulated in one process (no process group): each
+computes its gradient on its own batch of bench_convergence's task (the same model, data,
+optimizer and lr schedule), every worker's gradient is quantized, and the optimizer steps on
+the mean of what they decode.
+
+Methods (B: bits, 2..8):
+  none             the true mean
+  tail             the engine: one TailCompressor per worker, the payloads exchanged as the
+                   all-gather hook does (bench_codec.run_step); bytes are the payloads' lengths
+  nearest-B        B bits for every matrix, nearest rounding with error feedback: today's
+                   quantizer without the controller, low-rank or float16 small layers
+  dither-B         B bits, subtractive dither: level = floor(x / step + u), decoded as
+                   (level - u + 1/2) * step, with u ~ U[0, 1) that the receivers draw too (from
+                   the sender's seed): the error is uniform on +-step/2 whatever x, and unbiased
+                   without error feedback, so there is none
+  adam-dither-B    dither-B on g / s, with s = sqrt of the bias-corrected EMA (beta 0.999) of the
+                   decoded mean's square: Adam's own scale, the same on every rank, no traffic
+
+The prototypes quantize matrices (>= 1024 elements) in max-abs buckets of 512; smaller layers
+go exactly and are counted as float16; the first --warmup-steps steps go exactly and are
+counted as fp32. Their bytes are the levels' order-0 entropy plus 4 B per bucket scale: the
+bound a coder reaches, not a payload (Tail's own levels code within 2 % of it, docs/engine.md).
+Per seed and method it prints the final metric, its difference from none, and the traffic
+reduction over the whole run and over its second half; then the mean and worst per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from jobs.bench_codec import run_step
+from jobs.bench_convergence import TASKS, Task, make_optimizer
+from jobs.output_path import output_file
+from tail_ray.collective.state import linear_in_gradient
+from tail_ray.compression.base import Compressor
+from tail_ray.compression.entropy import entropy_bound_bytes
+from tail_ray.compression.tail import TailCompressor
+
+log = logging.getLogger("quantizer_study")
+
+WORLD = 2  # simulated workers, as in the other offline studies
+BUCKET = 512  # Tail's default bucket
+MATRIX_NUMEL = 1024  # Tail's raw_below_numel: smaller layers are not quantized
+EMA_BETA = 0.999  # Adam's beta2: the adam-dither scale's memory
+EPS = 1e-8  # Adam's eps
+PROTOTYPES = ("nearest", "dither", "adam-dither")
+
+Grads = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A ``--methods`` entry: ``kind`` none, tail or a prototype, ``bits`` for a prototype."""
+
+    kind: str
+    bits: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        """``text`` as a Method; a ValueError says what is accepted."""
+        if text in ("none", "tail"):
+            return cls(text)
+        kind, _, bits = text.rpartition("-")
+        if kind in PROTOTYPES and bits.isdigit() and 2 <= int(bits) <= 8:
+            return cls(kind, int(bits))
+        raise ValueError(f"unknown method {text!r}: none, tail, or {'/'.join(PROTOTYPES)}-B with B in 2..8")
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}-{self.bits}" if self.bits else self.kind
+
+
+def _buckets(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (flat) as rows of BUCKET (zero-padded) and each row's grid step: max-abs / L."""
+    rows = torch.nn.functional.pad(x, (0, (-x.numel()) % BUCKET)).view(-1, BUCKET)
+    scale = rows.abs().amax(1, keepdim=True)
+    return rows, scale
+
+
+def quantize_nearest(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded, levels) of x on the max-abs grid, rounded to the nearest level."""
+    rows, scale = _buckets(x)
+    step = torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
+    t = rows / step
+    levels = torch.sign(t) * torch.floor(t.abs() + 0.5)
+    return (levels * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
+
+
+def quantize_dither(x: torch.Tensor, bits: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded, levels) of x with subtractive dither (module doc); levels stay in [-L, L]."""
+    rows, scale = _buckets(x)
+    step = torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
+    u = torch.rand(rows.shape, generator=gen)  # the receivers draw the same from the sender's seed
+    levels = torch.floor(rows / step + u)
+    return ((levels - u + 0.5) * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
+
+
+def level_bytes(levels: torch.Tensor) -> float:
+    """What a coder needs for these levels at best: their order-0 entropy, plus fp32 scales."""
+    return entropy_bound_bytes(levels.to(torch.int8).numpy()) + 4.0 * math.ceil(levels.numel() / BUCKET)
+
+
+def true_mean(per_rank: list[Grads]) -> Grads:
+    return {n: torch.stack([r[n] for r in per_rank]).mean(0) for n in per_rank[0]}
+
+
+class PrototypeExchange:
+    """One prototype's exchange over a run: the residuals (nearest), the shared scale (adam-dither)."""
+
+    def __init__(self, method: Method, seed: int, warmup_steps: int) -> None:
+        self.method = method
+        self.warmup_steps = warmup_steps
+        self.gens = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORLD)]
+        self.residuals: list[Grads] = [{} for _ in range(WORLD)]
+        self.ema: Grads = {}  # EMA of the decoded mean's square (adam-dither)
+        self.updates = 0
+
+    def deliver(self, per_rank: list[Grads], step: int) -> tuple[Grads, float]:
+        """The mean every rank decodes, and the bytes one worker sent for it."""
+        mean, sent = {}, 0.0
+        for name, g0 in per_rank[0].items():
+            if step < self.warmup_steps or g0.numel() < MATRIX_NUMEL:
+                mean[name] = torch.stack([r[name] for r in per_rank]).mean(0)
+                sent += (4 if step < self.warmup_steps else 2) * g0.numel()
+                continue
+            mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank])
+            mean[name] = mean[name].view_as(g0)
+            sent += nbytes
+        self._observe(mean)
+        return mean, sent
+
+    def _layer(self, name: str, grads: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+        scale = None
+        if self.method.kind == "adam-dither" and name in self.ema:
+            scale = (self.ema[name] / (1 - EMA_BETA**self.updates)).sqrt() + EPS
+        total, sent = torch.zeros_like(grads[0]), 0.0
+        for rank, g in enumerate(grads):
+            if self.method.kind == "nearest":
+                v = g + self.residuals[rank].get(name, torch.zeros_like(g))
+                decoded, levels = quantize_nearest(v, self.method.bits)
+                self.residuals[rank][name] = v - decoded  # error feedback: resent next step
+            else:
+                x = g if scale is None else g / scale
+                decoded, levels = quantize_dither(x, self.method.bits, self.gens[rank])
+                decoded = decoded if scale is None else decoded * scale
+            total += decoded
+            sent += level_bytes(levels) / WORLD  # one worker's share: each sends its own
+        return total / WORLD, sent
+
+    def _observe(self, mean: Grads) -> None:
+        self.updates += 1
+        for name, m in mean.items():
+            square = m.flatten().square()
+            self.ema[name] = EMA_BETA * self.ema.get(name, torch.zeros_like(square)) + (1 - EMA_BETA) * square
+
+
+class TailExchange:
+    """The engine: one TailCompressor per simulated worker, as the all-gather hook runs them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.comps: list[Compressor] = [TailCompressor() for _ in range(WORLD)]
+        for comp in self.comps:  # the budget a trainer on this optimizer gets (bitwidth/policy.py)
+            comp.set_linear_optimizer(linear_in_gradient(optimizer))
+
+    def deliver(self, per_rank: list[Grads], lr: float) -> tuple[Grads, float]:
+        sizes: list[int] = []
+        mean = run_step(self.comps, per_rank, lr, sizes)
+        return mean, float(np.mean(sizes))
+
+
+@dataclass
+class Row:
+    task: str
+    method: str
+    seed: int
+    metric: str
+    final: float
+    vs_none: float | None  # % of none's loss, or accuracy points against none
+    ratio: float  # fp32 bytes over bytes sent per worker, whole run
+    ratio_2nd_half: float
+    wall_s: float
+
+
+def _gradients(model: torch.nn.Module, data: Any, task: Task, step: int, rank: int) -> Grads:
+    batch = data.batch(step, rank, WORLD, task.batch_size)
+    model.zero_grad(set_to_none=True)
+    data.loss(model, *(batch if isinstance(batch, tuple) else (batch,))).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: int) -> Row:
+    """One closed-loop run; ``vs_none`` is left for ``study`` to fill in."""
+    started = time.perf_counter()
+    task = TASKS[task_name]
+    model, data = task.build(seed)
+    opt = make_optimizer(task, model.parameters())
+    tail = TailExchange(opt) if method.kind == "tail" else None
+    proto = PrototypeExchange(method, seed, warmup_steps) if method.kind in PROTOTYPES else None
+    drop_step = int(task.lr_drop_at * steps)
+    sent, raw = [], 0
+    for step in range(steps):
+        lr = task.lr * (0.1 if step >= drop_step else 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        per_rank = [_gradients(model, data, task, step, rank) for rank in range(WORLD)]
+        raw = 4 * sum(g.numel() for g in per_rank[0].values())
+        if tail is not None:
+            mean, nbytes = tail.deliver(per_rank, lr)
+        elif proto is not None:
+            mean, nbytes = proto.deliver(per_rank, step)
+        else:
+            mean, nbytes = true_mean(per_rank), float(raw)
+        for name, p in model.named_parameters():
+            p.grad = mean.get(name)
+        opt.step()
+        sent.append(nbytes)
+    final = float(data.evaluate(model)[task.metric])
+    return Row(
+        task=task_name,
+        method=method.label,
+        seed=seed,
+        metric=task.metric,
+        final=final,
+        vs_none=None,
+        ratio=raw / float(np.mean(sent)),
+        ratio_2nd_half=raw / float(np.mean(sent[steps // 2 :])),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _vs_none(row: Row, none: Row | None) -> float | None:
+    if none is None:
+        return None
+    if row.metric == "val_loss":
+        return 100.0 * (row.final / none.final - 1.0)
+    return 100.0 * (row.final - none.final)
+
+
+def study(task: str, methods: list[Method], seeds: list[int], steps: int, warmup_steps: int) -> list[Row]:
+    """Every method on every seed (none first when asked for, so the others compare to it)."""
+    rows = []
+    for seed in seeds:
+        none = None
+        for method in sorted(methods, key=lambda m: m.kind != "none"):
+            log.info("seed %d: %s, %d steps", seed, method.label, steps)
+            row = train(task, method, seed, steps, warmup_steps)
+            none = row if method.kind == "none" else none
+            row.vs_none = _vs_none(row, none)
+            rows.append(row)
+            print(_format(row), flush=True)
+    return rows
+
+
+def _format(row: Row) -> str:
+    unit = "%" if row.metric == "val_loss" else "pt"
+    vs = "" if row.vs_none is None else f"{row.vs_none:+8.2f}{unit}"
+    return (
+        f"seed {row.seed:<3d} {row.method:<16s} {row.metric} {row.final:8.4f} {vs:>10s} "
+        f"{row.ratio:7.2f}x {row.ratio_2nd_half:7.2f}x (2nd half) {row.wall_s:6.1f} s"
+    )
+
+
+def summary(rows: list[Row]) -> dict[str, dict[str, float | None]]:
+    """Per method: mean and worst difference from none, mean traffic reduction."""
+    out: dict[str, dict[str, float | None]] = {}
+    for label in dict.fromkeys(r.method for r in rows):
+        mine = [r for r in rows if r.method == label]
+        vs = [r.vs_none for r in mine if r.vs_none is not None]
+        worst = max if mine[0].metric == "val_loss" else min  # a higher loss, a lower accuracy
+        out[label] = {
+            "mean_vs_none": statistics.mean(vs) if vs else None,
+            "worst_vs_none": worst(vs) if vs else None,
+            "ratio": statistics.mean(r.ratio for r in mine),
+            "ratio_2nd_half": statistics.mean(r.ratio_2nd_half for r in mine),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.quantizer_study",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--task", choices=sorted(TASKS), default="lm", help="bench_convergence's task")
+    parser.add_argument("--methods", default="none,tail,dither-3,adam-dither-3", help="comma list")
+    parser.add_argument("--seeds", default="0", help="comma list of data / model seeds")
+    parser.add_argument("--steps", type=int, help="default: the task's own (300 for lm and digits)")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="exact steps before the prototypes")
+    parser.add_argument("--json", type=output_file, help="also write the rows and the summary here")
+    args = parser.parse_args(argv)
+    try:
+        methods = [Method.parse(m) for m in args.methods.split(",") if m]
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as exc:
+        parser.error(str(exc))
+    steps = args.steps if args.steps is not None else TASKS[args.task].steps
+    if steps < 1 or args.warmup_steps < 0 or not methods or not seeds:
+        parser.error("--steps must be >= 1, --warmup-steps >= 0, and --methods and --seeds not empty")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rows = study(args.task, methods, seeds, steps, args.warmup_steps)
+    result = summary(rows)
+    print(f"\n== {args.task}, {len(seeds)} seed(s), {steps} steps, {WORLD} simulated workers")
+    for label, s in result.items():
+        mean, worst = s["mean_vs_none"], s["worst_vs_none"]
+        vs = "" if mean is None or worst is None else f"vs none mean {mean:+.2f}, worst {worst:+.2f}"
+        print(f"{label:<16s} {vs:<34s} {s['ratio']:6.2f}x ({s['ratio_2nd_half']:.2f}x 2nd half)")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": result}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""jobs.quantizer_study: the prototypes' error model, and a closed-loop run that can tell methods apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import quantizer_study as qs
+
+BUCKETS = 64
+
+
+def test_subtractive_dither_errs_uniformly_whatever_the_value():
+    # The point of dither: the error is U(-step/2, step/2) and independent of x, so small
+    # coordinates (below a step) get their value on average, not zero.
+    half = BUCKETS * qs.BUCKET // 2
+    x = torch.cat([torch.full((half,), 0.01), torch.linspace(-1, 1, half)])
+    x[:: qs.BUCKET] = 1.0  # every bucket's max-abs is 1: one grid step 1/3 at 3 bits
+    step = 1.0 / 3
+    decoded, levels = qs.quantize_dither(x, 3, torch.Generator().manual_seed(0))
+    err = decoded - x
+    assert float(err.abs().max()) <= step / 2 + 1e-6
+    assert levels.abs().max() <= 3 and torch.equal(levels, levels.round())
+    small = err[:half][x[:half] == 0.01]
+    assert abs(float(small.mean())) < 0.01 * step  # unbiased where nearest would send 0
+    assert float(err.var()) == pytest.approx(step**2 / 12, rel=0.05)
+    nearest, _ = qs.quantize_nearest(x, 3)
+    # nearest sends 0 for every small coordinate: its whole value is the error
+    assert float((nearest[:half] - x[:half]).abs().max()) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_methods_parse_and_refuse_with_what_is_accepted():
+    assert qs.Method.parse("adam-dither-3") == qs.Method("adam-dither", 3)
+    assert qs.Method.parse("tail").label == "tail"
+    for bad in ("dither-1", "dither-9", "dither", "qsgd-4"):
+        with pytest.raises(ValueError, match="none, tail, or"):
+            qs.Method.parse(bad)
+
+
+def test_a_short_closed_loop_run_compares_to_none(tmp_path: Path, capsys):
+    out = tmp_path / "runs" / "qs.json"
+    methods = "none,nearest-8,dither-2,tail"
+    argv = ["--task", "lm", "--methods", methods, "--steps", "6", "--warmup-steps", "1"]
+    assert qs.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert rows["none"]["vs_none"] == 0.0 and rows["none"]["ratio"] == pytest.approx(1.0)
+    # 8 bits with error feedback is all but exact; 2-bit dither is not, and sends far less.
+    assert abs(rows["nearest-8"]["vs_none"]) < 0.2
+    assert rows["nearest-8"]["final"] != rows["none"]["final"]
+    assert rows["dither-2"]["ratio_2nd_half"] > 2 * rows["nearest-8"]["ratio_2nd_half"] > 2
+    assert rows["tail"]["ratio"] > 1.5  # the engine's own payloads
+    assert set(doc["summary"]) == {"none", "nearest-8", "dither-2", "tail"}
+    assert "vs none mean" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_2():
+    for argv in (["--methods", "none,foo-3"], ["--steps", "0"], ["--seeds", "x"]):
+        with pytest.raises(SystemExit) as exc:
+            qs.main(argv)
+        assert exc.value.code == 2
