@@ -87,17 +87,17 @@ class Method:
         return f"{self.kind}-{self.bits}" if self.bits else self.kind
 
 
-def _buckets(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (flat) as rows of BUCKET (zero-padded) and each row's grid step: max-abs / L."""
+def _grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (flat) as rows of BUCKET (zero-padded), and each row's grid step: max-abs / L
+    (1 for an all-zero row, whose levels are 0 either way)."""
     rows = torch.nn.functional.pad(x, (0, (-x.numel()) % BUCKET)).view(-1, BUCKET)
     scale = rows.abs().amax(1, keepdim=True)
-    return rows, scale
+    return rows, torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
 
 
 def quantize_nearest(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(decoded, levels) of x on the max-abs grid, rounded to the nearest level."""
-    rows, scale = _buckets(x)
-    step = torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
+    rows, step = _grid(x, bits)
     t = rows / step
     levels = torch.sign(t) * torch.floor(t.abs() + 0.5)
     return (levels * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
@@ -105,8 +105,7 @@ def quantize_nearest(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 
 def quantize_dither(x: torch.Tensor, bits: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(decoded, levels) of x with subtractive dither (module doc); levels stay in [-L, L]."""
-    rows, scale = _buckets(x)
-    step = torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
+    rows, step = _grid(x, bits)
     u = torch.rand(rows.shape, generator=gen)  # the receivers draw the same from the sender's seed
     levels = torch.floor(rows / step + u)
     return ((levels - u + 0.5) * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
