@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             r.speedup_vs_none = base[(r.link, r.model)] / r.step_s_median
     print_table(results)
     if args.json:
-        Path(args.json).write_text(
+        args.json.write_text(
             json.dumps(
                 {
                     "benchmark": "network",

@@ -21,7 +21,7 @@ def output_file(value: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file where a folder should be, a read-only mount, ...
         raise argparse.ArgumentTypeError(
-            f"cannot make the folder {str(path.parent)!r}: {exc.strerror}"
+            f"cannot make the folder {str(path.parent)!r}: {exc.strerror or exc}"
         ) from exc
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write in the folder {str(path.parent)!r}")
