@@ -625,7 +625,11 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(label for label, _, _ in METHODS),
         help="comma list of labels or methods",
     )
-    parser.add_argument("--steps", type=int, help="override the steps of every task (smoke runs)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="override the steps of every task (a smoke run, or a longer one: the lr drop scales with it)",
+    )
     parser.add_argument(
         "--seed", type=int, default=SEED, help="data and model seed (Tail's rounding seed is random per run)"
     )
