@@ -10,7 +10,7 @@ computes its gradient on its own batch of bench_convergence's task (the same mod
 optimizer and lr schedule), every worker's gradient is quantized, and the optimizer steps on
 the mean of what they decode.
 
-Methods (B: bits, 2..8):
+Methods (B: bits, 2..8, or "auto"):
   none             the true mean
   tail             the engine: one TailCompressor per worker, the payloads exchanged as the
                    all-gather hook does (bench_codec.run_step); bytes are the payloads' lengths
@@ -22,6 +22,13 @@ Methods (B: bits, 2..8):
                    without error feedback, so there is none
   adam-dither-B    dither-B on g / s, with s = sqrt of the bias-corrected EMA (beta 0.999) of the
                    decoded mean's square: Adam's own scale, the same on every rank, no traffic
+  dither-auto,     the same quantizers with Tail's budget picking the bits per layer and step:
+  adam-dither-auto the smallest of TailConfig's candidate bits whose dither noise (step^2 / 12
+                   per element, known exactly: no sampling) is within tau of the layer's
+                   power, tau from the engine's own BudgetPolicy (noise fraction of the
+                   between-worker spread, critical phases after warm-up and lr drops). For
+                   adam-dither everything is measured in the quantized geometry g / s. One
+                   decision per layer for both workers, from rank 0's gradient.
 
 The prototypes quantize matrices (>= 1024 elements) in max-abs buckets of 512; smaller layers
 go exactly and are counted as float16; the first --warmup-steps steps go exactly and are
@@ -39,7 +46,8 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,10 +56,11 @@ import torch
 from jobs.bench_codec import run_step
 from jobs.bench_convergence import TASKS, Task, make_optimizer
 from jobs.output_path import output_file
+from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.collective.state import linear_in_gradient
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.entropy import entropy_bound_bytes
-from tail_ray.compression.tail import TailCompressor
+from tail_ray.compression.tail import TailCompressor, TailConfig
 
 log = logging.getLogger("quantizer_study")
 
@@ -70,7 +79,7 @@ class Method:
     """A ``--methods`` entry: ``kind`` none, tail or a prototype, ``bits`` for a prototype."""
 
     kind: str
-    bits: int = 0
+    bits: int = 0  # 0: none, tail, or a prototype whose bits the budget picks (``auto``)
 
     @classmethod
     def parse(cls, text: str) -> Method:
@@ -78,13 +87,23 @@ class Method:
         if text in ("none", "tail"):
             return cls(text)
         kind, _, bits = text.rpartition("-")
+        if kind in PROTOTYPES and bits == "auto":
+            return cls(kind)
         if kind in PROTOTYPES and bits.isdigit() and 2 <= int(bits) <= 8:
             return cls(kind, int(bits))
-        raise ValueError(f"unknown method {text!r}: none, tail, or {'/'.join(PROTOTYPES)}-B with B in 2..8")
+        raise ValueError(
+            f"unknown method {text!r}: none, tail, or {'/'.join(PROTOTYPES)}-B with B in 2..8 or auto"
+        )
+
+    @property
+    def auto(self) -> bool:
+        return self.kind in PROTOTYPES and not self.bits
 
     @property
     def label(self) -> str:
-        return f"{self.kind}-{self.bits}" if self.bits else self.kind
+        if self.kind not in PROTOTYPES:
+            return self.kind
+        return f"{self.kind}-{self.bits or 'auto'}"
 
 
 def _grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,48 +139,118 @@ def true_mean(per_rank: list[Grads]) -> Grads:
     return {n: torch.stack([r[n] for r in per_rank]).mean(0) for n in per_rank[0]}
 
 
-class PrototypeExchange:
-    """One prototype's exchange over a run: the residuals (nearest), the shared scale (adam-dither)."""
+def dither_noise_sq(x: torch.Tensor, bits: int) -> float:
+    """The summed variance dither adds to x at ``bits``: step^2 / 12 for each real element."""
+    rows, step = _grid(x, bits)
+    counts = torch.full((rows.shape[0],), float(BUCKET))
+    counts[-1] = x.numel() - BUCKET * (rows.shape[0] - 1)  # the last row's padding is not sent
+    return float((counts * step.flatten().square()).sum()) / 12.0
 
-    def __init__(self, method: Method, seed: int, warmup_steps: int) -> None:
+
+class PrototypeExchange:
+    """One prototype's exchange over a run: the residuals (nearest), the shared scale
+    (adam-dither), and for ``auto`` the engine's budget and the bits it picked."""
+
+    def __init__(self, method: Method, seed: int, warmup_steps: int, linear: bool = False) -> None:
         self.method = method
         self.warmup_steps = warmup_steps
         self.gens = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORLD)]
         self.residuals: list[Grads] = [{} for _ in range(WORLD)]
         self.ema: Grads = {}  # EMA of the decoded mean's square (adam-dither)
         self.updates = 0
+        self.candidates = sorted(TailConfig().candidate_bits)
+        self.policy = BudgetPolicy(TailConfig().budget_settings())
+        self.policy.set_linear(linear)
+        self.bits_numel: list[Counter[int]] = []  # per step: quantized elements at each width
 
-    def deliver(self, per_rank: list[Grads], step: int) -> tuple[Grads, float]:
+    def deliver(self, per_rank: list[Grads], step: int, lr: float) -> tuple[Grads, float]:
         """The mean every rank decodes, and the bytes one worker sent for it."""
+        self.policy.set_lr(lr, step)
+        self.bits_numel.append(Counter())
         mean, sent = {}, 0.0
         for name, g0 in per_rank[0].items():
             if step < self.warmup_steps or g0.numel() < MATRIX_NUMEL:
                 mean[name] = torch.stack([r[name] for r in per_rank]).mean(0)
                 sent += (4 if step < self.warmup_steps else 2) * g0.numel()
                 continue
-            mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank])
+            mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank], step)
             mean[name] = mean[name].view_as(g0)
             sent += nbytes
         self._observe(mean)
         return mean, sent
 
-    def _layer(self, name: str, grads: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def _layer(self, name: str, grads: list[torch.Tensor], step: int) -> tuple[torch.Tensor, float]:
         scale = None
         if self.method.kind == "adam-dither" and name in self.ema:
             scale = (self.ema[name] / (1 - EMA_BETA**self.updates)).sqrt() + EPS
-        total, sent = torch.zeros_like(grads[0]), 0.0
-        for rank, g in enumerate(grads):
+        if self.method.kind == "nearest":
+            xs = [g + self.residuals[rank].get(name, torch.zeros_like(g)) for rank, g in enumerate(grads)]
+        else:
+            xs = [g if scale is None else g / scale for g in grads]
+        bits = self._bits(name, xs[0], step) if self.method.auto else self.method.bits
+        self.bits_numel[-1][bits] += xs[0].numel()
+        decoded_xs, sent = [], 0.0
+        for rank, x in enumerate(xs):
             if self.method.kind == "nearest":
-                v = g + self.residuals[rank].get(name, torch.zeros_like(g))
-                decoded, levels = quantize_nearest(v, self.method.bits)
-                self.residuals[rank][name] = v - decoded  # error feedback: resent next step
+                decoded, levels = quantize_nearest(x, bits)
+                self.residuals[rank][name] = x - decoded  # error feedback: resent next step
             else:
-                x = g if scale is None else g / scale
-                decoded, levels = quantize_dither(x, self.method.bits, self.gens[rank])
-                decoded = decoded if scale is None else decoded * scale
-            total += decoded
+                decoded, levels = quantize_dither(x, bits, self.gens[rank])
+            decoded_xs.append(decoded)
             sent += level_bytes(levels) / WORLD  # one worker's share: each sends its own
+        if self.method.auto:
+            self._observe_spread(name, grads, xs, decoded_xs, bits)
+        total = torch.zeros_like(grads[0])
+        for decoded in decoded_xs:
+            total += decoded if scale is None else decoded * scale
         return total / WORLD, sent
+
+    def _noise_sq(self, x: torch.Tensor, bits: int) -> float:
+        """What quantizing x at ``bits`` adds, summed: exact for nearest, dither's known variance."""
+        if self.method.kind == "nearest":
+            return float((quantize_nearest(x, bits)[0] - x).square().sum())
+        return dither_noise_sq(x, bits)
+
+    def _bits(self, name: str, x: torch.Tensor, step: int) -> int:
+        """The engine's rule (bitwidth/plan.py: pick_bits): the smallest candidate whose relative
+        error is within tau, else the largest: accuracy first."""
+        self.policy.observe_norm(name, float(x.norm()), step)
+        tau = self.policy.tau(name, step)
+        power = float(x.square().sum())
+        for bits in self.candidates:
+            if power <= 0 or self._noise_sq(x, bits) <= tau * power:
+                return bits
+        return self.candidates[-1]
+
+    def _observe_spread(
+        self,
+        name: str,
+        grads: list[torch.Tensor],
+        xs: list[torch.Tensor],
+        decoded: list[torch.Tensor],
+        bits: int,
+    ) -> None:
+        """The between-worker spread of the decoded layer (in the quantized geometry), per
+        element, less what compression put there: dither's known variance; for nearest, its
+        rounding error and the residual carried in (decoded - gradient). As the engine's
+        all-gather feeds its BudgetPolicy (TailCompressor.observe_peers)."""
+        stack, n = torch.stack(decoded), float(xs[0].numel())
+        spread = float((stack - stack.mean(0)).square().sum()) / (WORLD - 1) / n
+        if self.method.kind == "nearest":
+            errors = [float((d - g).square().sum()) for d, g in zip(decoded, grads, strict=True)]
+        else:
+            errors = [dither_noise_sq(x, bits) for x in xs]
+        compression = statistics.mean(errors) / n
+        grad_sq = float(stack.square().sum(1).mean()) / n - compression
+        self.policy.observe_spread(name, spread, compression, grad_sq)
+
+    def bits_share(self, first_step: int) -> dict[int, float]:
+        """Share of quantized elements at each width over steps >= first_step."""
+        total: Counter[int] = Counter()
+        for counts in self.bits_numel[first_step:]:
+            total.update(counts)
+        n = sum(total.values())
+        return {b: c / n for b, c in sorted(total.items())} if n else {}
 
     def _observe(self, mean: Grads) -> None:
         self.updates += 1
@@ -195,6 +284,8 @@ class Row:
     ratio: float  # fp32 bytes over bytes sent per worker, whole run
     ratio_2nd_half: float
     wall_s: float
+    # A prototype's share of quantized elements at each bit-width in the second half ({} else)
+    bits_2nd_half: dict[int, float] = field(default_factory=dict)
 
 
 def _gradients(model: torch.nn.Module, data: Any, task: Task, step: int, rank: int) -> Grads:
@@ -211,7 +302,9 @@ def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: i
     model, data = task.build(seed)
     opt = make_optimizer(task, model.parameters())
     tail = TailExchange(opt) if method.kind == "tail" else None
-    proto = PrototypeExchange(method, seed, warmup_steps) if method.kind in PROTOTYPES else None
+    proto = None
+    if method.kind in PROTOTYPES:
+        proto = PrototypeExchange(method, seed, warmup_steps, linear=linear_in_gradient(opt))
     drop_step = int(task.lr_drop_at * steps)
     sent, raw = [], 0
     for step in range(steps):
@@ -223,7 +316,7 @@ def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: i
         if tail is not None:
             mean, nbytes = tail.deliver(per_rank, lr)
         elif proto is not None:
-            mean, nbytes = proto.deliver(per_rank, step)
+            mean, nbytes = proto.deliver(per_rank, step, lr)
         else:
             mean, nbytes = true_mean(per_rank), float(raw)
         for name, p in model.named_parameters():
@@ -241,6 +334,7 @@ def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: i
         ratio=raw / float(np.mean(sent)),
         ratio_2nd_half=raw / float(np.mean(sent[steps // 2 :])),
         wall_s=time.perf_counter() - started,
+        bits_2nd_half={} if proto is None else proto.bits_share(steps // 2),
     )
 
 
@@ -270,9 +364,11 @@ def study(task: str, methods: list[Method], seeds: list[int], steps: int, warmup
 def _format(row: Row) -> str:
     unit = "%" if row.metric == "val_loss" else "pt"
     vs = "" if row.vs_none is None else f"{row.vs_none:+8.2f}{unit}"
+    bits = " ".join(f"{b}b {share:.0%}" for b, share in row.bits_2nd_half.items())
     return (
         f"seed {row.seed:<3d} {row.method:<16s} {row.metric} {row.final:8.4f} {vs:>10s} "
         f"{row.ratio:7.2f}x {row.ratio_2nd_half:7.2f}x (2nd half) {row.wall_s:6.1f} s"
+        + (f"  bits (2nd half): {bits}" if bits else "")
     )
 
 

@@ -32,17 +32,42 @@ def test_subtractive_dither_errs_uniformly_whatever_the_value():
     assert float((nearest[:half] - x[:half]).abs().max()) == pytest.approx(0.01, rel=1e-4)
 
 
+def test_dither_noise_is_a_twelfth_of_each_real_elements_squared_step():
+    x = torch.zeros(qs.BUCKET + 10)
+    x[0], x[qs.BUCKET] = 3.0, -6.0  # bucket steps at 3 bits: 1 and 2; the second has 10 real elements
+    assert qs.dither_noise_sq(x, 3) == pytest.approx((qs.BUCKET * 1.0 + 10 * 4.0) / 12)
+
+
+def test_auto_bits_are_the_smallest_within_the_engines_budget():
+    # A bucket of one spike and small values: the dither noise falls ~4x per bit, and the
+    # budget (tau of the engine's BudgetPolicy) decides where to stop.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8 * qs.BUCKET, generator=gen)
+    x[:: qs.BUCKET] = 5.0  # nu_3 ~ 0.22: within the steady tau (0.25), not the warm-up's
+    ex = qs.PrototypeExchange(qs.Method("dither"), seed=0, warmup_steps=0)
+    for step in (0, 200):  # warm-up: a tighter tau than the steady one
+        bits = ex._bits("w", x, step)
+        tau, power = ex.policy.tau("w", step), float(x.square().sum())
+        assert qs.dither_noise_sq(x, bits) <= tau * power
+        smaller = [b for b in ex.candidates if b < bits]
+        assert smaller and qs.dither_noise_sq(x, smaller[-1]) > tau * power
+    assert ex._bits("w", x, 0) > ex._bits("w", x, 200)
+
+
 def test_methods_parse_and_refuse_with_what_is_accepted():
     assert qs.Method.parse("adam-dither-3") == qs.Method("adam-dither", 3)
     assert qs.Method.parse("tail").label == "tail"
-    for bad in ("dither-1", "dither-9", "dither", "qsgd-4"):
+    auto = qs.Method.parse("dither-auto")
+    assert auto == qs.Method("dither") and auto.auto and auto.label == "dither-auto"
+    assert not qs.Method.parse("nearest-4").auto and not qs.Method.parse("none").auto
+    for bad in ("dither-1", "dither-9", "dither", "qsgd-4", "tail-auto"):
         with pytest.raises(ValueError, match="none, tail, or"):
             qs.Method.parse(bad)
 
 
 def test_a_short_closed_loop_run_compares_to_none(tmp_path: Path, capsys):
     out = tmp_path / "runs" / "qs.json"
-    methods = "none,nearest-8,dither-2,tail"
+    methods = "none,nearest-8,dither-2,tail,adam-dither-auto"
     argv = ["--task", "lm", "--methods", methods, "--steps", "6", "--warmup-steps", "1"]
     assert qs.main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -53,7 +78,11 @@ def test_a_short_closed_loop_run_compares_to_none(tmp_path: Path, capsys):
     assert rows["nearest-8"]["final"] != rows["none"]["final"]
     assert rows["dither-2"]["ratio_2nd_half"] > 2 * rows["nearest-8"]["ratio_2nd_half"] > 2
     assert rows["tail"]["ratio"] > 1.5  # the engine's own payloads
-    assert set(doc["summary"]) == {"none", "nearest-8", "dither-2", "tail"}
+    assert set(doc["summary"]) == {"none", "nearest-8", "dither-2", "tail", "adam-dither-auto"}
+    # The budget's bits, as shares of the quantized elements of the second half
+    auto = rows["adam-dither-auto"]["bits_2nd_half"]
+    assert sum(auto.values()) == pytest.approx(1.0) and set(auto) <= {"2", "3", "4", "5", "6", "8"}
+    assert rows["dither-2"]["bits_2nd_half"] == {"2": 1.0} and rows["none"]["bits_2nd_half"] == {}
     assert "vs none mean" in capsys.readouterr().out
 
 
