@@ -137,6 +137,7 @@ TASKS = {
 METHODS: list[tuple[str, str, dict[str, Any] | None]] = [
     ("none", "none", None),
     ("fp16", "fp16", None),
+    ("bf16", "bf16", None),
     ("powersgd-r2", "powersgd", {"rank": 2}),
     ("qsgd-8", "qsgd", {"bits": 8}),
     ("topk-1%", "topk", {"density": 0.01}),

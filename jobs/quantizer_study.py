@@ -61,6 +61,8 @@ from tail_ray.collective.state import linear_in_gradient
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.entropy import entropy_bound_bytes
 from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.errors import ConfigError
+from tail_ray.settings import settings_from_mapping
 
 log = logging.getLogger("quantizer_study")
 
@@ -151,15 +153,23 @@ class PrototypeExchange:
     """One prototype's exchange over a run: the residuals (nearest), the shared scale
     (adam-dither), and for ``auto`` the engine's budget and the bits it picked."""
 
-    def __init__(self, method: Method, seed: int, warmup_steps: int, linear: bool = False) -> None:
+    def __init__(
+        self,
+        method: Method,
+        seed: int,
+        warmup_steps: int,
+        linear: bool = False,
+        config: TailConfig | None = None,
+    ) -> None:
         self.method = method
         self.warmup_steps = warmup_steps
         self.gens = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORLD)]
         self.residuals: list[Grads] = [{} for _ in range(WORLD)]
         self.ema: Grads = {}  # EMA of the decoded mean's square (adam-dither)
         self.updates = 0
-        self.candidates = sorted(TailConfig().candidate_bits)
-        self.policy = BudgetPolicy(TailConfig().budget_settings())
+        config = config or TailConfig()  # the -auto budget's settings (--budget)
+        self.candidates = sorted(config.candidate_bits)
+        self.policy = BudgetPolicy(config.budget_settings())
         self.policy.set_linear(linear)
         self.bits_numel: list[Counter[int]] = []  # per step: quantized elements at each width
 
@@ -295,7 +305,9 @@ def _gradients(model: torch.nn.Module, data: Any, task: Task, step: int, rank: i
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: int) -> Row:
+def train(
+    task_name: str, method: Method, seed: int, steps: int, warmup_steps: int, budget: TailConfig | None = None
+) -> Row:
     """One closed-loop run; ``vs_none`` is left for ``study`` to fill in."""
     started = time.perf_counter()
     task = TASKS[task_name]
@@ -304,7 +316,8 @@ def train(task_name: str, method: Method, seed: int, steps: int, warmup_steps: i
     tail = TailExchange(opt) if method.kind == "tail" else None
     proto = None
     if method.kind in PROTOTYPES:
-        proto = PrototypeExchange(method, seed, warmup_steps, linear=linear_in_gradient(opt))
+        linear = linear_in_gradient(opt)
+        proto = PrototypeExchange(method, seed, warmup_steps, linear=linear, config=budget)
     drop_step = int(task.lr_drop_at * steps)
     sent, raw = [], 0
     for step in range(steps):
@@ -346,14 +359,21 @@ def _vs_none(row: Row, none: Row | None) -> float | None:
     return 100.0 * (row.final - none.final)
 
 
-def study(task: str, methods: list[Method], seeds: list[int], steps: int, warmup_steps: int) -> list[Row]:
+def study(
+    task: str,
+    methods: list[Method],
+    seeds: list[int],
+    steps: int,
+    warmup_steps: int,
+    budget: TailConfig | None = None,
+) -> list[Row]:
     """Every method on every seed (none first when asked for, so the others compare to it)."""
     rows = []
     for seed in seeds:
         none = None
         for method in sorted(methods, key=lambda m: m.kind != "none"):
             log.info("seed %d: %s, %d steps", seed, method.label, steps)
-            row = train(task, method, seed, steps, warmup_steps)
+            row = train(task, method, seed, steps, warmup_steps, budget)
             none = row if method.kind == "none" else none
             row.vs_none = _vs_none(row, none)
             rows.append(row)
@@ -400,12 +420,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma list of data / model seeds")
     parser.add_argument("--steps", type=int, help="default: the task's own (300 for lm and digits)")
     parser.add_argument("--warmup-steps", type=int, default=5, help="exact steps before the prototypes")
+    parser.add_argument(
+        "--budget",
+        metavar="JSON",
+        default="{}",
+        help="TailConfig settings for the -auto prototypes' budget, e.g. '{\"noise_fraction\": 0.5}' "
+        "(tail rows keep the engine's defaults)",
+    )
     parser.add_argument("--json", type=output_file, help="also write the rows and the summary here")
     args = parser.parse_args(argv)
     try:
         methods = [Method.parse(m) for m in args.methods.split(",") if m]
         seeds = [int(s) for s in args.seeds.split(",") if s]
-    except ValueError as exc:
+        budget_settings = json.loads(args.budget)
+        if not isinstance(budget_settings, dict):
+            raise ValueError("--budget must be a JSON object of TailConfig settings")
+        budget = settings_from_mapping(TailConfig, budget_settings, what="--budget")
+    except (ValueError, ConfigError) as exc:  # json's errors are ValueErrors
         parser.error(str(exc))
     steps = args.steps if args.steps is not None else TASKS[args.task].steps
     if steps < 1 or args.warmup_steps < 0 or not methods or not seeds:
@@ -414,15 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     # One thread: matmul's reduction order, and so the whole trajectory, then does not depend
     # on how many cores the machine has (two threads and one differ by ~0.5 % of loss at 300 steps).
     torch.set_num_threads(1)
-    rows = study(args.task, methods, seeds, steps, args.warmup_steps)
+    rows = study(args.task, methods, seeds, steps, args.warmup_steps, budget)
     result = summary(rows)
     print(f"\n== {args.task}, {len(seeds)} seed(s), {steps} steps, {WORLD} simulated workers")
+    if budget_settings:
+        print(f"-auto prototypes' budget: TailConfig with {budget_settings}")
     for label, s in result.items():
         mean, worst = s["mean_vs_none"], s["worst_vs_none"]
         vs = "" if mean is None or worst is None else f"vs none mean {mean:+.2f}, worst {worst:+.2f}"
         print(f"{label:<16s} {vs:<34s} {s['ratio']:6.2f}x ({s['ratio_2nd_half']:.2f}x 2nd half)")
     if args.json:
-        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": result}, indent=2))
+        doc = {"rows": [asdict(r) for r in rows], "summary": result, "budget": budget_settings}
+        args.json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     return 0
 

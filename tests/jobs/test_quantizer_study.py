@@ -86,8 +86,25 @@ def test_a_short_closed_loop_run_compares_to_none(tmp_path: Path, capsys):
     assert "vs none mean" in capsys.readouterr().out
 
 
+def test_budget_settings_reach_the_auto_prototypes_only(tmp_path: Path):
+    out = tmp_path / "qs.json"
+    argv = ["--methods", "none,dither-auto", "--steps", "4", "--warmup-steps", "1", "--json", str(out)]
+    assert qs.main([*argv, "--budget", '{"candidate_bits": [5]}']) == 0
+    doc = json.loads(out.read_text())
+    assert doc["budget"] == {"candidate_bits": [5]}
+    assert {r["method"]: r["bits_2nd_half"] for r in doc["rows"]} == {"none": {}, "dither-auto": {"5": 1.0}}
+
+
 def test_bad_arguments_exit_2():
-    for argv in (["--methods", "none,foo-3"], ["--steps", "0"], ["--seeds", "x"]):
+    for argv in (
+        ["--methods", "none,foo-3"],
+        ["--steps", "0"],
+        ["--seeds", "x"],
+        ["--budget", "x"],
+        ["--budget", "[1]"],
+        ["--budget", '{"noise_fraction": -1}'],
+        ["--budget", '{"no_such_setting": 1}'],
+    ):
         with pytest.raises(SystemExit) as exc:
             qs.main(argv)
         assert exc.value.code == 2
