@@ -109,26 +109,32 @@ class Method:
 
 
 def _grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (flat) as rows of BUCKET (zero-padded), and each row's grid step: max-abs / L
-    (1 for an all-zero row, whose levels are 0 either way)."""
+    """x (flat) as rows of BUCKET (zero-padded), and each row's grid step: max-abs / L, 0 for
+    an all-zero row (a zero scale on the wire: the row decodes to exactly 0, with no dither)."""
     rows = torch.nn.functional.pad(x, (0, (-x.numel()) % BUCKET)).view(-1, BUCKET)
-    scale = rows.abs().amax(1, keepdim=True)
-    return rows, torch.where(scale > 0, scale / (2 ** (bits - 1) - 1), torch.ones_like(scale))
+    return rows, rows.abs().amax(1, keepdim=True) / (2 ** (bits - 1) - 1)
+
+
+def _in_steps(rows: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """rows / step, with an all-zero row (step 0) left at 0."""
+    return rows / torch.where(step > 0, step, torch.ones_like(step))
 
 
 def quantize_nearest(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(decoded, levels) of x on the max-abs grid, rounded to the nearest level."""
     rows, step = _grid(x, bits)
-    t = rows / step
+    t = _in_steps(rows, step)
     levels = torch.sign(t) * torch.floor(t.abs() + 0.5)
     return (levels * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
 
 
 def quantize_dither(x: torch.Tensor, bits: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decoded, levels) of x with subtractive dither (module doc); levels stay in [-L, L]."""
+    """(decoded, levels) of x with subtractive dither (module doc); levels stay in [-L, L].
+    An all-zero row (a row of the embedding's unseen tokens) decodes to 0: dithering it would
+    hand Adam noise, and so full-size steps, for parameters that had no gradient."""
     rows, step = _grid(x, bits)
     u = torch.rand(rows.shape, generator=gen)  # the receivers draw the same from the sender's seed
-    levels = torch.floor(rows / step + u)
+    levels = torch.floor(_in_steps(rows, step) + u)
     return ((levels - u + 0.5) * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
 
 

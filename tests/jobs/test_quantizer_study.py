@@ -38,6 +38,19 @@ def test_dither_noise_is_a_twelfth_of_each_real_elements_squared_step():
     assert qs.dither_noise_sq(x, 3) == pytest.approx((qs.BUCKET * 1.0 + 10 * 4.0) / 12)
 
 
+def test_an_all_zero_bucket_decodes_to_exactly_zero():
+    # The embedding's rows of tokens not in the batch: dither must not give them noise (Adam
+    # would turn it into full-size steps), nor count it against the budget.
+    x = torch.zeros(3 * qs.BUCKET)
+    x[qs.BUCKET] = 2.0
+    decoded, levels = qs.quantize_dither(x, 3, torch.Generator().manual_seed(1))
+    zero_rows = torch.cat([decoded[: qs.BUCKET], decoded[2 * qs.BUCKET :]])
+    assert torch.equal(zero_rows, torch.zeros_like(zero_rows))
+    assert int(levels[: qs.BUCKET].abs().sum()) == 0 and int(levels[2 * qs.BUCKET :].abs().sum()) == 0
+    assert qs.dither_noise_sq(x, 3) == pytest.approx(qs.BUCKET * (2.0 / 3) ** 2 / 12)
+    assert torch.equal(qs.quantize_nearest(x, 3)[0], x)
+
+
 def test_auto_bits_are_the_smallest_within_the_engines_budget():
     # A bucket of one spike and small values: the dither noise falls ~4x per bit, and the
     # budget (tau of the engine's BudgetPolicy) decides where to stop.
