@@ -32,8 +32,9 @@ Methods (B: bits, 2..8, or "auto"):
 
 The prototypes quantize matrices (>= 1024 elements) in max-abs buckets of 512; smaller layers
 go exactly and are counted as float16; the first --warmup-steps steps go exactly and are
-counted as fp32. Their bytes are the levels' order-0 entropy plus 4 B per bucket scale: the
-bound a coder reaches, not a payload (Tail's own levels code within 2 % of it, docs/engine.md).
+counted as fp32 (or, with --warmup-bits B, at B bits with the method's own quantizer). Their
+bytes are the levels' order-0 entropy plus 4 B per bucket scale: the bound a coder reaches,
+not a payload (Tail's own levels code within 2 % of it, docs/engine.md).
 Per seed and method it prints the final metric, its difference from none, and the traffic
 reduction over the whole run and over its second half; then the mean and worst per method.
 """
@@ -74,6 +75,19 @@ EPS = 1e-8  # Adam's eps
 PROTOTYPES = ("nearest", "dither", "adam-dither")
 
 Grads = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """The prototypes' first ``steps`` steps: matrices exact as fp32 (``bits`` 32), or at
+    ``bits`` with the method's own quantizer (the budget then does not pick)."""
+
+    steps: int = 5
+    bits: int = 32
+
+    @property
+    def exact(self) -> bool:
+        return self.bits >= 32
 
 
 @dataclass(frozen=True)
@@ -163,12 +177,12 @@ class PrototypeExchange:
         self,
         method: Method,
         seed: int,
-        warmup_steps: int,
+        warmup: Warmup,
         linear: bool = False,
         config: TailConfig | None = None,
     ) -> None:
         self.method = method
-        self.warmup_steps = warmup_steps
+        self.warmup = warmup
         self.gens = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORLD)]
         self.residuals: list[Grads] = [{} for _ in range(WORLD)]
         self.ema: Grads = {}  # EMA of the decoded mean's square (adam-dither)
@@ -185,9 +199,10 @@ class PrototypeExchange:
         self.bits_numel.append(Counter())
         mean, sent = {}, 0.0
         for name, g0 in per_rank[0].items():
-            if step < self.warmup_steps or g0.numel() < MATRIX_NUMEL:
+            warming = step < self.warmup.steps
+            if (warming and self.warmup.exact) or g0.numel() < MATRIX_NUMEL:
                 mean[name] = torch.stack([r[name] for r in per_rank]).mean(0)
-                sent += (4 if step < self.warmup_steps else 2) * g0.numel()
+                sent += (4 if warming else 2) * g0.numel()
                 continue
             mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank], step)
             mean[name] = mean[name].view_as(g0)
@@ -203,7 +218,10 @@ class PrototypeExchange:
             xs = [g + self.residuals[rank].get(name, torch.zeros_like(g)) for rank, g in enumerate(grads)]
         else:
             xs = [g if scale is None else g / scale for g in grads]
-        bits = self._bits(name, xs[0], step) if self.method.auto else self.method.bits
+        if step < self.warmup.steps:
+            bits = self.warmup.bits
+        else:
+            bits = self._bits(name, xs[0], step) if self.method.auto else self.method.bits
         self.bits_numel[-1][bits] += xs[0].numel()
         decoded_xs, sent = [], 0.0
         for rank, x in enumerate(xs):
@@ -312,7 +330,7 @@ def _gradients(model: torch.nn.Module, data: Any, task: Task, step: int, rank: i
 
 
 def train(
-    task_name: str, method: Method, seed: int, steps: int, warmup_steps: int, budget: TailConfig | None = None
+    task_name: str, method: Method, seed: int, steps: int, warmup: Warmup, budget: TailConfig | None = None
 ) -> Row:
     """One closed-loop run; ``vs_none`` is left for ``study`` to fill in."""
     started = time.perf_counter()
@@ -323,7 +341,7 @@ def train(
     proto = None
     if method.kind in PROTOTYPES:
         linear = linear_in_gradient(opt)
-        proto = PrototypeExchange(method, seed, warmup_steps, linear=linear, config=budget)
+        proto = PrototypeExchange(method, seed, warmup, linear=linear, config=budget)
     drop_step = int(task.lr_drop_at * steps)
     sent, raw = [], 0
     for step in range(steps):
@@ -370,7 +388,7 @@ def study(
     methods: list[Method],
     seeds: list[int],
     steps: int,
-    warmup_steps: int,
+    warmup: Warmup,
     budget: TailConfig | None = None,
 ) -> list[Row]:
     """Every method on every seed (none first when asked for, so the others compare to it)."""
@@ -379,7 +397,7 @@ def study(
         none = None
         for method in sorted(methods, key=lambda m: m.kind != "none"):
             log.info("seed %d: %s, %d steps", seed, method.label, steps)
-            row = train(task, method, seed, steps, warmup_steps, budget)
+            row = train(task, method, seed, steps, warmup, budget)
             none = row if method.kind == "none" else none
             row.vs_none = _vs_none(row, none)
             rows.append(row)
@@ -425,7 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="none,tail,dither-3,adam-dither-3", help="comma list")
     parser.add_argument("--seeds", default="0", help="comma list of data / model seeds")
     parser.add_argument("--steps", type=int, help="default: the task's own (300 for lm and digits)")
-    parser.add_argument("--warmup-steps", type=int, default=5, help="exact steps before the prototypes")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=5, help="steps before the prototypes' own bits (default 5)"
+    )
+    parser.add_argument(
+        "--warmup-bits",
+        type=int,
+        choices=(*range(2, 9), 32),
+        default=32,
+        help="the prototypes' matrices in those steps: 32 = exact fp32 (default), 2..8 = that many "
+        "bits with the method's quantizer (Adam's v keeps the first steps' noise for the whole run)",
+    )
     parser.add_argument(
         "--budget",
         metavar="JSON",
@@ -447,11 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else TASKS[args.task].steps
     if steps < 1 or args.warmup_steps < 0 or not methods or not seeds:
         parser.error("--steps must be >= 1, --warmup-steps >= 0, and --methods and --seeds not empty")
+    warmup = Warmup(args.warmup_steps, args.warmup_bits)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # One thread: matmul's reduction order, and so the whole trajectory, then does not depend
     # on how many cores the machine has (two threads and one differ by ~0.5 % of loss at 300 steps).
     torch.set_num_threads(1)
-    rows = study(args.task, methods, seeds, steps, args.warmup_steps, budget)
+    rows = study(args.task, methods, seeds, steps, warmup, budget)
     result = summary(rows)
     print(f"\n== {args.task}, {len(seeds)} seed(s), {steps} steps, {WORLD} simulated workers")
     if budget_settings:

@@ -57,7 +57,7 @@ def test_auto_bits_are_the_smallest_within_the_engines_budget():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8 * qs.BUCKET, generator=gen)
     x[:: qs.BUCKET] = 5.0  # nu_3 ~ 0.22: within the steady tau (0.25), not the warm-up's
-    ex = qs.PrototypeExchange(qs.Method("dither"), seed=0, warmup_steps=0)
+    ex = qs.PrototypeExchange(qs.Method("dither"), seed=0, warmup=qs.Warmup(0))
     for step in (0, 200):  # warm-up: a tighter tau than the steady one
         bits = ex._bits("w", x, step)
         tau, power = ex.policy.tau("w", step), float(x.square().sum())
@@ -108,6 +108,15 @@ def test_budget_settings_reach_the_auto_prototypes_only(tmp_path: Path):
     assert {r["method"]: r["bits_2nd_half"] for r in doc["rows"]} == {"none": {}, "dither-auto": {"5": 1.0}}
 
 
+def test_warmup_steps_go_at_the_warmup_bits(tmp_path: Path):
+    out = tmp_path / "qs.json"
+    argv = ["--methods", "none,dither-3", "--steps", "4", "--warmup-steps", "3", "--warmup-bits", "8"]
+    assert qs.main([*argv, "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    # the second half is steps 2 (warm-up: 8 bits) and 3 (the method's own 3 bits)
+    assert rows["dither-3"]["bits_2nd_half"] == {"3": 0.5, "8": 0.5}
+
+
 def test_bad_arguments_exit_2():
     for argv in (
         ["--methods", "none,foo-3"],
@@ -117,6 +126,7 @@ def test_bad_arguments_exit_2():
         ["--budget", "[1]"],
         ["--budget", '{"noise_fraction": -1}'],
         ["--budget", '{"no_such_setting": 1}'],
+        ["--warmup-bits", "16"],
     ):
         with pytest.raises(SystemExit) as exc:
             qs.main(argv)
