@@ -198,8 +198,8 @@ class PrototypeExchange:
         self.policy.set_lr(lr, step)
         self.bits_numel.append(Counter())
         mean, sent = {}, 0.0
+        warming = step < self.warmup.steps
         for name, g0 in per_rank[0].items():
-            warming = step < self.warmup.steps
             if (warming and self.warmup.exact) or g0.numel() < MATRIX_NUMEL:
                 mean[name] = torch.stack([r[name] for r in per_rank]).mean(0)
                 sent += (4 if warming else 2) * g0.numel()
