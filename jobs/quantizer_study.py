@@ -204,13 +204,15 @@ class PrototypeExchange:
                 mean[name] = torch.stack([r[name] for r in per_rank]).mean(0)
                 sent += (4 if warming else 2) * g0.numel()
                 continue
-            mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank], step)
+            mean[name], nbytes = self._layer(name, [r[name].flatten() for r in per_rank], step, warming)
             mean[name] = mean[name].view_as(g0)
             sent += nbytes
         self._observe(mean)
         return mean, sent
 
-    def _layer(self, name: str, grads: list[torch.Tensor], step: int) -> tuple[torch.Tensor, float]:
+    def _layer(
+        self, name: str, grads: list[torch.Tensor], step: int, warming: bool
+    ) -> tuple[torch.Tensor, float]:
         scale = None
         if self.method.kind == "adam-dither" and name in self.ema:
             scale = (self.ema[name] / (1 - EMA_BETA**self.updates)).sqrt() + EPS
@@ -218,7 +220,7 @@ class PrototypeExchange:
             xs = [g + self.residuals[rank].get(name, torch.zeros_like(g)) for rank, g in enumerate(grads)]
         else:
             xs = [g if scale is None else g / scale for g in grads]
-        if step < self.warmup.steps:
+        if warming:
             bits = self.warmup.bits
         else:
             bits = self._bits(name, xs[0], step) if self.method.auto else self.method.bits
