@@ -73,6 +73,7 @@ def _compressors() -> None:
         ("tail", {"seed": 0, "candidate_bits": (4,)}),
         ("tail", {"seed": 0, "candidate_bits": (8,)}),
         ("tail", {"seed": 0}),
+        ("tail", {"seed": 0, "rounding": "dither"}),  # its kernel and its decoder
         ("qsgd", {"bits": 4, "seed": 0}),
         ("topk", {"density": 0.01}),
         ("none", {}),

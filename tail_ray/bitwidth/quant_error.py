@@ -2,7 +2,8 @@
 
 For stochastic rounding onto the grid {k * s / L} an element x (f = frac(|x| * L / s)) is
 rounded up with probability f, so its expected squared error is (s / L)^2 * f * (1 - f). Rounded
-to the nearest level (``rounding="nearest"``) its error is exactly (s / L)^2 * min(f, 1 - f)^2. Summed
+to the nearest level (``rounding="nearest"``) its error is exactly (s / L)^2 * min(f, 1 - f)^2, and
+under subtractive dither (``rounding="dither"``) (s / L)^2 / 12 whatever x. Summed
 over a layer and divided by ||x||^2 this is nu_b, the expected relative quantization error
 E||Q_b(x) - x||^2 / ||x||^2 at b bits.
 
@@ -28,22 +29,34 @@ from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
-from tail_ray.compression.quantize import is_nearest
+from tail_ray.compression.quantize import is_dither, is_nearest
+
+# The kernels' ``mode``: which rounding's error is summed (an int, so one compiled kernel each).
+_STOCHASTIC, _NEAREST, _DITHER = 0, 1, 2
+_TWELFTH = np.float32(1.0 / 12.0)
+
+
+def _mode(rounding: str) -> int:
+    if is_dither(rounding):
+        return _DITHER
+    return _NEAREST if is_nearest(rounding) else _STOCHASTIC
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _frac_term(x, pre, inv, nearest):  # type: ignore[no-untyped-def]
+def _frac_term(x, pre, inv, mode):  # type: ignore[no-untyped-def]
+    if mode == 2:  # subtractive dither: U(-1/2, 1/2] steps whatever x, variance 1/12
+        return _TWELFTH
     y = (abs(x) * pre) * inv
     f = y - np.float32(np.int32(y))  # truncation is floor since y >= 0; y <= L + 1
-    if nearest:
+    if mode == 1:
         d = min(f, np.float32(1.0) - f)
         return d * d
     return f * (np.float32(1.0) - f)
 
 
 @njit(cache=True, nogil=True)
-def _frac_sum(xb, pre, inv, lanes, nearest):  # type: ignore[no-untyped-def]
-    """sum f (1 - f) (stochastic) or min(f, 1 - f)^2 (nearest), f = frac(|x| * pre * inv), each
+def _frac_sum(xb, pre, inv, lanes, mode):  # type: ignore[no-untyped-def]
+    """sum f (1 - f) (stochastic), min(f, 1 - f)^2 (nearest) or 1/12 (dither), f = frac(|x| * pre * inv), each
     operation rounded (no fastmath), summed in the fixed lane layout of ``fixedsum``: the same
     bits on every CPU."""
     lanes[:] = 0
@@ -52,15 +65,16 @@ def _frac_sum(xb, pre, inv, lanes, nearest):  # type: ignore[no-untyped-def]
     for lo in range(0, n_full, LANES):
         blk = xb[lo : lo + LANES]
         for j in range(LANES):
-            lanes[j] += _frac_term(blk[j], pre, inv, nearest)
+            lanes[j] += _frac_term(blk[j], pre, inv, mode)
     for i in range(n_full, n):
-        lanes[i - n_full] += _frac_term(xb[i], pre, inv, nearest)
+        lanes[i - n_full] += _frac_term(xb[i], pre, inv, mode)
     return lanes_total(lanes)
 
 
 @njit(cache=True, nogil=True)
-def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, nearest):  # type: ignore[no-untyped-def]
-    """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f) (min(f, 1-f)^2 when nearest);
+def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, mode):  # type: ignore[no-untyped-def]
+    """num[j] += sum over chosen buckets of (s/L_j)^2 f(1-f) (min(f, 1-f)^2 when nearest, 1/12
+    when dithered; ``mode`` 0, 1, 2);
     returns (sum of x^2, non-zero buckets).
 
     Written as short loops over a bucket-sized scratch (slices, integer max-abs) so that LLVM
@@ -103,19 +117,19 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, neares
         for j in range(lmaxes.size):
             lf = np.float32(lmaxes[j])
             step = np.float64(m) / np.float64(lf)
-            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes, nearest))
+            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes, mode))
     return lanes_total(sq_lanes), nonzero
 
 
 @njit(cache=True, nogil=True)
-def _sampled_error_sums(g, e, use_e, bucket_size, start, k, nb, lmaxes, num, nearest):  # type: ignore[no-untyped-def]
+def _sampled_error_sums(g, e, use_e, bucket_size, start, k, nb, lmaxes, num, mode):  # type: ignore[no-untyped-def]
     """``_bucket_error_sums`` over the systematic sample (start + i * nb // k) % nb, i < k: the
     ids are made here, in the integer arithmetic numpy used for them (exact), so a decision
     is one compiled call instead of a handful of small numpy ones."""
     ids = np.empty(k, np.int64)
     for i in range(k):
         ids[i] = (start + (i * nb) // k) % nb
-    return _bucket_error_sums(g, e, use_e, bucket_size, ids, lmaxes, num, nearest)
+    return _bucket_error_sums(g, e, use_e, bucket_size, ids, lmaxes, num, mode)
 
 
 @functools.cache
@@ -135,7 +149,7 @@ def bucket_errors(
     """(sum of expected squared errors per candidate bits, sum of squares, non-zero buckets)
     over ``bucket_ids``. The values are those of g + residual (or g alone when residual is None).
     """
-    nearest = is_nearest(rounding)
+    mode = _mode(rounding)
     if isinstance(g, DeviceFlat):
         from tail_ray.compression import device_codec
 
@@ -145,7 +159,7 @@ def bucket_errors(
     num = np.zeros(len(candidate_bits), dtype=np.float64)
     e = residual if residual is not None else g
     den, nonzero = _bucket_error_sums(
-        g, e, residual is not None, bucket_size, bucket_ids, _levels_max_array(candidate_bits), num, nearest
+        g, e, residual is not None, bucket_size, bucket_ids, _levels_max_array(candidate_bits), num, mode
     )
     return num, float(den), int(nonzero)
 
@@ -169,7 +183,7 @@ def _sampled_errors(
     e = residual if residual is not None else g
     lmaxes = _levels_max_array(candidate_bits)
     den, nonzero = _sampled_error_sums(
-        g, e, residual is not None, bucket_size, start, k, nb, lmaxes, num, is_nearest(rounding)
+        g, e, residual is not None, bucket_size, start, k, nb, lmaxes, num, _mode(rounding)
     )
     return num, float(den), int(nonzero)
 

@@ -8,8 +8,8 @@ Two entry points, bit-identical to each other on the same payloads:
   contiguous: no per-rank float32 copy; into a CUDA gradient (Triton backend,
   ``device.uses_triton``) the same arithmetic runs as one Triton kernel on the device
   (``device_codec.mean_into``: int8 levels up, nothing back). Any other layer (raw, sparse,
-  or a mix, e.g. one rank sent a non-finite layer raw) is decoded to tensors and averaged as
-  above.
+  dithered, or a mix, e.g. one rank sent a non-finite layer raw) is decoded to tensors and
+  averaged as above.
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
 divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
@@ -95,7 +95,8 @@ def mean_records_into(
         raise ValueError("nothing to average: no payloads")
     layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
     for g, recs in zip(into.values(), layers, strict=True):
-        quant = [r for r in recs if isinstance(r, QuantRecord)]
+        # Dithered layers decode through record_to_flat (their uniforms are subtracted there).
+        quant = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is None]
         if len(quant) < len(recs):
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
             continue

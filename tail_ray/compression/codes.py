@@ -67,6 +67,7 @@ class LayerHeader:
     bucket_size: int
     nnz: int
     scales: np.ndarray
+    dither_seed: int | None = None  # QUANT_DITHER: the seed of the uniforms to subtract
 
 
 In = TypeVar("In")
@@ -105,7 +106,7 @@ class LayerCode(ABC, Generic[In]):
 class LevelCode(LayerCode["LevelStats"]):
     """Base of the codes of quantized levels: decoding is levels -> ``QuantRecord``."""
 
-    kinds: ClassVar[frozenset[Kind]] = frozenset({Kind.QUANT})
+    kinds: ClassVar[frozenset[Kind]] = frozenset({Kind.QUANT, Kind.QUANT_DITHER})
 
     @abstractmethod
     def decode_levels(
@@ -115,7 +116,9 @@ class LevelCode(LayerCode["LevelStats"]):
 
     def decode(self, body: np.ndarray, head: LayerHeader) -> LayerRecord:
         levels = self.decode_levels(body, head.numel, head.bits, head.nnz, layer=head.name)
-        return QuantRecord(head.name, head.bits, head.bucket_size, head.scales, levels)
+        return QuantRecord(
+            head.name, head.bits, head.bucket_size, head.scales, levels, dither_seed=head.dither_seed
+        )
 
 
 def check_bits(bits: int, *, layer: str | None = None) -> int:

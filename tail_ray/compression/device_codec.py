@@ -37,7 +37,7 @@ from tail_ray.compression.grid import (
     levels_max,
     n_buckets,
 )
-from tail_ray.compression.rounding import is_nearest
+from tail_ray.compression.rounding import check_device_rounding, is_nearest
 from tail_ray.errors import CodecError
 
 # Elements per program of the elementwise kernels (pack, dequantize, mean, sum of squares).
@@ -72,6 +72,7 @@ def bucket_errors(
     """``quant_error.bucket_errors`` on the device, the same bits: (sum of expected squared
     errors per candidate under ``rounding``, sum of squares, non-zero buckets) over
     ``bucket_ids``."""
+    check_device_rounding(rounding)
     dev = g.tensor.device
     nc = len(candidate_bits)
     ids = torch.as_tensor(np.ascontiguousarray(bucket_ids, dtype=np.int64)).to(dev)
@@ -120,7 +121,9 @@ def quantize_device(
     """The fused kernel, results left on the device: (packed levels uint8 in the wire's
     ``bitpack`` layout, scales f32, per-bucket non-zero counts i32, per-bucket ||e'||^2 f64).
     ``residual`` (float32, g's size, same device) becomes the new residual in place.
-    ``rounding`` is a kernel rounding (quantize.ROUNDINGS); ``seed`` only feeds stochastic."""
+    ``rounding`` is a kernel rounding the device has (rounding.DEVICE_ROUNDINGS: a ConfigError
+    otherwise); ``seed`` only feeds stochastic."""
+    check_device_rounding(rounding)
     nearest = is_nearest(rounding)
     if not 1 <= bucket_size <= MAX_DEVICE_BUCKET:
         raise ValueError(f"the Triton quantizer takes buckets of 1..{MAX_DEVICE_BUCKET}, got {bucket_size}")
@@ -273,6 +276,7 @@ def quantize_reference(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The device quantizer in plain numpy (each operation an IEEE float32 op, as the kernel):
     (int8 levels, scales, new residual or None). The tests hold the kernel to these bits."""
+    check_device_rounding(rounding)
     nearest = is_nearest(rounding)
     x = np.asarray(g, dtype=np.float32).reshape(-1).copy()
     if residual is not None:

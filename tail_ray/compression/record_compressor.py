@@ -51,7 +51,7 @@ from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.quantize import n_buckets, quantize_finite, sum_squares
+from tail_ray.compression.quantize import is_dither, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
 from tail_ray.compression.records import (
     LayerRecord,
@@ -305,7 +305,8 @@ class RecordCompressor(Compressor):
     ) -> tuple[QuantRecord, int]:
         """Quantization of g + e in one fused pass (Tail's and qsgd's kernel), which also writes
         the new residual and its norm; returns the record and its non-zero levels. ``rounding``
-        is a kernel rounding (quantize.ROUNDINGS), on either backend."""
+        is a kernel rounding (quantize.ROUNDINGS), on either backend ("dither" on the host
+        only: a ConfigError on the device; its record carries ``seed`` for the receiver)."""
         if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
             _warn_big_bucket(bucket_size)
             g = g.host()  # and its residual moves to the host with it (residual_of below)
@@ -320,12 +321,19 @@ class RecordCompressor(Compressor):
             return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz
         levels = np.empty(g.size, dtype=np.int8)
         scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
-        residual = self.residual_of(name, g)
+        dither = is_dither(rounding)
+        # Dither keeps no residual: one left by another code (low-rank, a checkpoint of another
+        # rounding) is added in once, and then dropped.
+        carried = self.feedback is not None and name in self.feedback
+        residual = self.residual_of(name, g) if carried or not dither else None
         assert residual is None or isinstance(residual, np.ndarray)
         nnz, err_sq = quantize_finite(g, residual, bits, bucket_size, seed, levels, scales, rounding=rounding)
-        if self.feedback is not None:
+        if self.feedback is not None and dither:
+            self.feedback.reset(name)
+        elif self.feedback is not None:
             self.feedback.measured(name, err_sq)
-        return QuantRecord(name, bits, bucket_size, scales, levels), int(nnz)
+        record = QuantRecord(name, bits, bucket_size, scales, levels, dither_seed=seed if dither else None)
+        return record, int(nnz)
 
     # --- receiving ------------------------------------------------------------------------
     def decompress(self, payload: bytes) -> dict[str, torch.Tensor]:

@@ -29,7 +29,9 @@ def record_to_flat(rec: LayerRecord) -> torch.Tensor:
     through the fast numba kernel."""
     match rec:
         case QuantRecord():
-            return torch.from_numpy(dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size))
+            return torch.from_numpy(
+                dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size, dither_seed=rec.dither_seed)
+            )
         case RawRecord():
             return torch.from_numpy(rec.values)
         case SparseRecord():
@@ -47,8 +49,9 @@ def records_to_flat(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:
 
 def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
     """``records_to_flat([rec])[rec.name][::stride]`` without decoding the other elements:
-    a quantized layer dequantizes only the sampled levels (same float32 products)."""
-    if isinstance(rec, QuantRecord):
+    a quantized layer dequantizes only the sampled levels (same float32 products); a dithered
+    one is decoded whole (its uniforms come in chunks) and then sampled."""
+    if isinstance(rec, QuantRecord) and rec.dither_seed is None:
         at = np.arange(0, rec.numel, stride)
         steps = bucket_steps(rec.scales, rec.bits)[at // rec.bucket_size]
         return torch.from_numpy(rec.levels.reshape(-1)[::stride].astype(np.float32) * steps)
@@ -70,10 +73,10 @@ def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
     """``torch.stack([sample_flat(r, stride) for r in records]).double()``: observe_peers' sample.
 
     One numba call per rank, straight into the float64 matrix, when every record is quantized
-    and of one size (the hot path); otherwise exactly that expression, which raises
+    (not dithered) and of one size (the hot path); otherwise exactly that expression, which raises
     RuntimeError for records of different sizes (the caller skips such a layer).
     """
-    quant = [r for r in records if isinstance(r, QuantRecord)]
+    quant = [r for r in records if isinstance(r, QuantRecord) and r.dither_seed is None]
     if (
         len(quant) == len(records)
         and len({r.numel for r in quant}) == 1

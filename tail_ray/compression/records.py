@@ -3,6 +3,7 @@
 A compressor builds records, the wire encodes them (wire.py) and decodes them back:
 
     QuantRecord    integer levels in [-L, L] at ``bits`` and one float32 scale per bucket
+                   (and, when dithered, the seed of the uniforms the receiver subtracts)
     RawRecord      the values themselves, float32 (or float16 on the wire: ``fp16``)
     SparseRecord   sorted unique positions in [0, numel) and their float32 values (top-k)
     LowRankRecord  a (rows x cols) layer as two quantized factors P (rows x rank) and
@@ -35,20 +36,30 @@ class Kind(IntEnum):
     QUANT = 2  # levels: int8[numel] in [-L, L], scales: float32[ceil(numel / bucket_size)]
     SPARSE_F32 = 3  # indices: int64[nnz] strictly increasing, values: float32[nnz]
     LOWRANK = 4  # two quantized factors P, Q: the layer is P Q^T (rows x cols, row-major)
+    QUANT_DITHER = 5  # QUANT made by subtractive dither, plus the u32 seed of its uniforms
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class QuantRecord:
     """A quantized layer: ``levels`` (int8, flat) in [-L, L] at ``bits`` (2..8), and one scale
-    per ``bucket_size`` consecutive levels (the bucket's max |x|)."""
+    per ``bucket_size`` consecutive levels (the bucket's max |x|).
 
-    kind: ClassVar[Kind] = Kind.QUANT
+    ``dither_seed`` (a u32) when the levels were made by subtractive dither (rounding "dither"):
+    the decoded value then subtracts the sender's uniforms, drawn from that seed
+    (``quantize.dequantize``). None: the plain grid value. Every decoder of a QuantRecord must
+    pass it on; the wire sends such a layer as kind QUANT_DITHER."""
+
     name: str
     bits: int
     bucket_size: int
     scales: np.ndarray
     levels: np.ndarray
     want: int = 0  # the rank the sender's low-rank chooser wants for the layer
+    dither_seed: int | None = None
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.QUANT if self.dither_seed is None else Kind.QUANT_DITHER
 
     @property
     def numel(self) -> int:
@@ -125,6 +136,10 @@ def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
         return rec
     match rec:
         case QuantRecord():
+            if rec.dither_seed is not None:
+                # Its uniforms are keyed by bucket index from the layer's start; the sharded
+                # exchanges round to nearest instead (TailCompressor.compress_shards).
+                raise ValueError(f"layer {rec.name!r} is dithered: it cannot be sent in slices")
             if start % rec.bucket_size:
                 raise ValueError(
                     f"slice of layer {rec.name!r} starts at {start}, inside a bucket of {rec.bucket_size}"

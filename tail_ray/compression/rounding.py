@@ -10,12 +10,26 @@ from __future__ import annotations
 
 from tail_ray.errors import ConfigError
 
-__all__ = ["ROUNDINGS", "ROUNDING_MODES", "is_nearest", "kernel_rounding"]
+__all__ = [
+    "DEVICE_ROUNDINGS",
+    "ROUNDINGS",
+    "ROUNDING_MODES",
+    "check_device_rounding",
+    "is_dither",
+    "is_nearest",
+    "kernel_rounding",
+]
 
-# How a value between two levels is rounded: "stochastic" (unbiased) or "nearest" (halves
+# How a value between two levels is rounded: "stochastic" (unbiased), "nearest" (halves
 # away from zero: about half the error at the same bits, biased per call, which error feedback
-# carries into the next call).
-ROUNDINGS = ("stochastic", "nearest")
+# carries into the next call) or "dither" (subtractive dither, issue 15: level = floor(t + u)
+# with u ~ U[0, 1) drawn from the layer's seed, which the payload carries, and the receiver
+# subtracts u again: an error uniform on +-step/2 whatever the value, unbiased, independent of
+# the gradient, with no error feedback; docs/engine.md, "Subtractive dither in the engine").
+ROUNDINGS = ("stochastic", "nearest", "dither")
+# What the Triton kernels implement: dither's decoder needs the uniform table on the device,
+# which it does not have yet.
+DEVICE_ROUNDINGS = ("stochastic", "nearest")
 # What TailConfig.rounding takes: a kernel's rounding, or "auto" (the default), resolved by
 # ``kernel_rounding``. "auto" stays a setting of its own so that a later, measured change of
 # the default reaches configs that did not pin one.
@@ -37,3 +51,19 @@ def is_nearest(rounding: str) -> bool:
     if rounding not in ROUNDINGS:
         raise ConfigError(f"rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
     return rounding == "nearest"
+
+
+def is_dither(rounding: str) -> bool:
+    """Whether ``rounding`` is "dither"; a ConfigError for anything not in ROUNDINGS."""
+    is_nearest(rounding)
+    return rounding == "dither"
+
+
+def check_device_rounding(rounding: str) -> None:
+    """A ConfigError unless the Triton kernels implement ``rounding``: a CUDA gradient must never
+    be sent some other way than the one asked for."""
+    if rounding not in DEVICE_ROUNDINGS:
+        raise ConfigError(
+            f"rounding {rounding!r} runs on the CPU kernels only; a CUDA gradient takes one of "
+            f"{list(DEVICE_ROUNDINGS)} (set rounding to 'auto' for CUDA training)"
+        )

@@ -78,11 +78,19 @@ class TailConfig:
         padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
         (docs/engine.md, "Agreed low-rank choice").
     rounding: "auto" (the default: "nearest", on the CPU kernels and the Triton path alike),
-        "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at the
+        "stochastic" (unbiased), "nearest" (halves away from zero: ~half the error at the
         same bits, biased per step, error feedback carries the bias on; the same levels on
-        both backends, bit for bit). Default since issue 15: 12.0x vs 9.5x on the LM at the
+        both backends, bit for bit) or "dither" (opt-in, CPU kernels only: subtractive dither,
+        an unbiased error of exactly step^2 / 12 per element that no error feedback carries;
+        the payload carries a 4-byte seed per layer; docs/engine.md, "Subtractive dither in
+        the engine"). Default since issue 15: 12.0x vs 9.5x on the LM at the
         same loss over 15 seeds, 26-31x vs 22-26x on digits (docs/engine.md, "Round-to-nearest",
         "Nearest rounding by default").
+    dither_noise_fraction: the noise fraction (in place of ``noise_fraction``) when rounding
+        is "dither" and the optimizer is not linear: dither's error is memoryless, so none of
+        it piles up in a residual; 0.5 measured best on the LM with AdamW (docs/engine.md).
+        The first ``DITHER_START_STEPS`` steps of a dithered layer go at the largest candidate
+        bits (Adam's second moment remembers its first steps' noise for the whole run).
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -113,6 +121,7 @@ class TailConfig:
     lowrank_target: str = "auto"
     lowrank_agree: str = "half"
     rounding: str = "auto"
+    dither_noise_fraction: float = 0.5
     bucket_choice: str = "fixed"
     seed: int | None = field(default=None)
 
@@ -139,7 +148,14 @@ class TailConfig:
             raise ConfigError(f"sample_numel must be >= 1 or None (exact), got {self.sample_numel}")
         if self.redecide_every_steps < 1:
             raise ConfigError(f"redecide_every_steps must be >= 1, got {self.redecide_every_steps}")
-        fractions = ("noise_fraction", "linear_noise_fraction", "tau_default", "tau_min", "tau_max")
+        fractions = (
+            "noise_fraction",
+            "linear_noise_fraction",
+            "dither_noise_fraction",
+            "tau_default",
+            "tau_min",
+            "tau_max",
+        )
         for name in ("norm_drift", *fractions):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -184,10 +200,11 @@ class TailConfig:
 
     def lowrank_target_for(self) -> str:
         """The low-rank target in force: ``lowrank_target``, with "auto" resolved by the
-        quantizer's rounding (nearest under "auto")."""
+        quantizer's rounding (nearest under "auto"): "bits" where the quantizer's error is the
+        one its budget priced (stochastic, dither), "budget" where it is about half (nearest)."""
         if self.lowrank_target != "auto":
             return self.lowrank_target
-        return "bits" if self.rounding == "stochastic" else "budget"
+        return "bits" if self.rounding in ("stochastic", "dither") else "budget"
 
     def lowrank_settings(self) -> LowRankSettings:
         return LowRankSettings(
@@ -197,9 +214,12 @@ class TailConfig:
             start_step=self.warmup_steps,
         )
 
-    def budget_settings(self) -> BudgetSettings:
+    def budget_settings(self, *, dither: bool | None = None) -> BudgetSettings:
+        """The budget's settings; ``dither`` (default: whether rounding is "dither") puts
+        ``dither_noise_fraction`` in place of ``noise_fraction``."""
+        dither = self.rounding == "dither" if dither is None else dither
         return BudgetSettings(
-            noise_fraction=self.noise_fraction,
+            noise_fraction=self.dither_noise_fraction if dither else self.noise_fraction,
             linear_noise_fraction=self.linear_noise_fraction,
             tau_default=self.tau_default,
             tau_min=self.tau_min,

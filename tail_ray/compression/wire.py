@@ -9,7 +9,7 @@ has the full layout; in short (all little-endian, varint = unsigned LEB128):
     header   magic b"TAIL" | version u8 (=3) | flags u8 | reserved u16 | n_layers u32
     layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | want u8 | varint numel
              | varint bucket_size | varint n_scales | varint nnz | varint body_len
-             | scales f32[n_scales] | body u8[body_len]
+             | scales f32[n_scales] | [dither_seed u32: kind QUANT_DITHER only] | body u8[body_len]
     trailer  crc32 u32 of everything before it
 
 The CRC32 trailer (version 3) exists because the framing checks alone cannot see every
@@ -60,6 +60,7 @@ PAYLOAD_OVERHEAD_BYTES = _HEADER.size + _CHECKSUM.size
 _LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, want (QUANT / LOWRANK; else 0)
 MAX_WANT = 255  # a rank the sender's low-rank chooser wants: one byte
 _NAME_LEN = struct.Struct("<H")
+_DITHER_SEED = struct.Struct("<I")  # QUANT_DITHER: the seed of the uniforms the receiver subtracts
 
 # Sane upper bounds checked before any allocation: a corrupted length must never make the
 # decoder allocate gigabytes or loop for minutes. A receiver that knows its model passes a
@@ -99,6 +100,8 @@ def _scales_of(rec: LayerRecord) -> np.ndarray:
         )
     if not isinstance(rec, QuantRecord):
         return np.zeros(0, dtype="<f4")
+    if rec.dither_seed is not None and not 0 <= rec.dither_seed <= 0xFFFFFFFF:
+        raise CodecError(f"dither_seed {rec.dither_seed} is not a u32", layer=rec.name, field="dither_seed")
     if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:
         raise CodecError(f"bucket_size {rec.bucket_size} out of range", layer=rec.name, field="bucket_size")
     sc = np.ascontiguousarray(rec.scales, dtype="<f4").reshape(-1)
@@ -143,6 +146,8 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
         )
     )
     sc = scales.tobytes()
+    if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
+        sc += _DITHER_SEED.pack(rec.dither_seed)
     return head, sc, body, EncodedLayer(rec.name, len(head) + len(sc) + len(body), codes.name(code), nnz)
 
 
@@ -226,7 +231,7 @@ def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales:
         if not 1 <= bucket <= MAX_BUCKET_SIZE:
             raise CodecError(f"bucket_size {bucket} out of range", layer=name, field="bucket_size")
         return
-    if kind != Kind.QUANT:
+    if kind not in (Kind.QUANT, Kind.QUANT_DITHER):
         if n_scales:
             raise CodecError(f"{kind.name} layer carries {n_scales} scales", layer=name, field="n_scales")
         return
@@ -266,14 +271,22 @@ def _read_layer(
         raise CodecError(f"n_scales {n_scales} exceeds the bytes present", layer=name, field="n_scales")
     scales = buf[pos : pos + 4 * n_scales]
     pos += 4 * n_scales
+    dither_seed = None
+    if kind == Kind.QUANT_DITHER:
+        if pos + _DITHER_SEED.size > size:
+            raise CodecError("truncated payload inside the dither seed", layer=name, field="dither_seed")
+        (dither_seed,) = _DITHER_SEED.unpack(buf[pos : pos + _DITHER_SEED.size].tobytes())
+        pos += _DITHER_SEED.size
     if body_len > size - pos:
         raise CodecError(
             f"body_len {body_len} exceeds the {size - pos} bytes left", layer=name, field="body_len"
         )
     _check_kind_fields(kind, bits, bucket, numel, n_scales, name=name)
-    if want and kind not in (Kind.QUANT, Kind.LOWRANK):
+    if want and kind not in (Kind.QUANT, Kind.QUANT_DITHER, Kind.LOWRANK):
         raise CodecError(f"{kind.name} layer carries want {want}", layer=name, field="want")
-    head = LayerHeader(name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32))
+    head = LayerHeader(
+        name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32), dither_seed=dither_seed
+    )
     return head, code, buf[pos : pos + body_len], pos + body_len, want
 
 

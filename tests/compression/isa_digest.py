@@ -105,6 +105,14 @@ def digests() -> dict[str, str]:
             parts += [levels.copy(), scales.copy(), residual.copy(), nnz, err]
         out[f"quantize_nearest_{bits}b"] = _digest(parts)
 
+        # Subtractive dither (issue 15): levels, the decoded values, and the residual folded once.
+        dith_levels = np.empty(n, np.int8)
+        nnz = quantize(g, bits, 512, 5, dith_levels, scales, rounding="dither")
+        parts = [dith_levels, scales.copy(), nnz, dequantize(dith_levels, scales, bits, 512, dither_seed=5)]
+        residual = g * np.float32(0.25)
+        nnz_e, _ = quantize_finite(g, residual, bits, 512, 6, levels, scales, rounding="dither")
+        out[f"quantize_dither_{bits}b"] = _digest([*parts, levels, scales, nnz_e, residual])
+
     for bits, bucket in ((2, 512), (4, 7), (8, 100), (8, 1000)):
         rng = np.random.default_rng(bits + bucket)
         lmax = (1 << (bits - 1)) - 1
@@ -185,8 +193,17 @@ def digests() -> dict[str, str]:
         ],
     )
 
+    record(
+        "relative_errors_dither",
+        lambda: [
+            relative_errors(
+                g, None, 512, (2, 4, 8), sample_numel=None, rng=np.random.default_rng(0), rounding="dither"
+            ),
+        ],
+    )
+
     # The whole pipeline: controller, quantizer, error feedback, codes, wire; and decoding.
-    for suffix, rounding in (("", "stochastic"), ("_nearest", "nearest")):
+    for suffix, rounding in (("", "stochastic"), ("_nearest", "nearest"), ("_dither", "dither")):
         payloads, decoded_bits = _tail_steps(TailConfig(seed=3, rounding=rounding))
         out[f"tail_payloads{suffix}"] = _digest(payloads)
         out[f"tail_decoded{suffix}"] = _digest(decoded_bits)

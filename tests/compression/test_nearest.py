@@ -99,7 +99,9 @@ def test_controller_picks_fewer_bits_for_nearest_at_the_same_budget():
 
 
 def test_rounding_setting_is_validated():
-    with pytest.raises(ConfigError, match=r"rounding must be one of \['auto', 'stochastic', 'nearest'\]"):
+    with pytest.raises(
+        ConfigError, match=r"rounding must be one of \['auto', 'stochastic', 'nearest', 'dither'\]"
+    ):
         TailConfig(rounding="round")
     x = _heavy_tailed(1024, 0)
     with pytest.raises(ConfigError, match="rounding must be one of"):
@@ -108,7 +110,7 @@ def test_rounding_setting_is_validated():
         relative_errors(x, None, 512, BITS, sample_numel=None, rng=np.random.default_rng(0), rounding="")
     assert TailConfig().rounding == "auto"
     # "auto" is TailConfig's, resolved once: the kernels and the error model take only theirs.
-    with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest'\]"):
+    with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest', 'dither'\]"):
         _quant(x, 4, rounding="auto")
     assert kernel_rounding("auto") == "nearest"
     assert [kernel_rounding(r) for r in ROUNDINGS] == list(ROUNDINGS)  # explicit: kept

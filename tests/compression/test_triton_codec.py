@@ -37,13 +37,13 @@ from tail_ray.compression.fixedsum import sum_squares  # noqa: E402
 from tail_ray.compression.grid import dequantize_reference, levels_max  # noqa: E402
 from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig  # noqa: E402
 from tail_ray.compression.quantize import (  # noqa: E402
-    ROUNDINGS,
     mean_dequantized_into,
     quantize,
     quantize_ef,
     quantize_finite,
 )
 from tail_ray.compression.records import QuantRecord  # noqa: E402
+from tail_ray.compression.rounding import DEVICE_ROUNDINGS  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload, encode_payload  # noqa: E402
 from tail_ray.errors import ConfigError  # noqa: E402
@@ -85,7 +85,7 @@ def test_kernel_constants_are_the_grids() -> None:
     assert K.TINY_SCALE.value == float(grid.TINY_SCALE) and K.TINY_PRESCALE.value == float(grid.TINY_PRESCALE)
 
 
-@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("rounding", DEVICE_ROUNDINGS)
 @pytest.mark.parametrize(
     ("bits", "bucket", "n", "with_e"),
     [(4, 512, 2000, True), (2, 64, 1000, True), (8, 100, 700, True), (3, 256, 900, False), (5, 8, 203, True)],
@@ -247,7 +247,7 @@ def test_nearest_levels_are_the_cpu_kernels_bit_for_bit(bits: int, bucket: int, 
     np.testing.assert_array_equal(np.abs(lv[3 * bucket : 4 * bucket][halves]), np.floor(t_abs[halves]) + 1)
 
 
-@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("rounding", DEVICE_ROUNDINGS)
 @pytest.mark.parametrize("with_e", [True, False])
 def test_controller_statistics_are_the_cpu_bits(with_e: bool, rounding: str) -> None:
     bucket, n = 128, 1100  # last bucket partial (76 elements: a lane tail)
@@ -336,6 +336,21 @@ def test_cuda_gradients_stay_on_the_device(monkeypatch: pytest.MonkeyPatch) -> N
     assert comp.feedback.device_buffer("fc1.weight", 5120, DEV).device.type == "cuda"
     comp.aggregate([payload], grads, own=0)
     assert all(g.device.type == "cuda" and torch.isfinite(g).all() for g in grads.values())
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_dither_is_refused_on_the_device_not_sent_another_way() -> None:
+    """The Triton kernels have no dither (its decoder needs the uniform table on the device):
+    Tail with rounding "dither" on a device gradient raises a ConfigError that says what to set,
+    and so do the kernel entry points, instead of quietly rounding some other way."""
+    comp = TailCompressor(TailConfig(seed=5, rounding="dither"))
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        comp.compress(_layers(1))
+    g = _grad(1000, 1)
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        dc.quantize(DeviceFlat(_dev(g)), None, 4, 512, seed=1, rounding="dither")
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        dc.quantize_reference(g, None, 4, 512, 1, "dither")
 
 
 @pytest.mark.usefixtures("triton_backend")

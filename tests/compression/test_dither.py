@@ -1,0 +1,214 @@
+"""Subtractive dither (rounding="dither", issue 15): the kernel, its decoder, the wire, and Tail.
+
+The cross-CPU bits of the kernel and its decoder are in isa_digest.py (test_grid.py runs them
+under other numba builds); here: what the error is, what the receiver needs, and how Tail
+uses it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.compression.aggregate import mean_records_into, mean_tensors_into
+from tail_ray.compression.quantize import dequantize, dither_error_sq, n_buckets, quantize, quantize_finite
+from tail_ray.compression.record_tensors import record_to_flat, sample_flat, sample_stack
+from tail_ray.compression.records import Kind, QuantRecord, slice_record
+from tail_ray.compression.rounding import check_device_rounding
+from tail_ray.compression.tail import DITHER_START_STEPS, TailCompressor, TailConfig
+from tail_ray.compression.wire import decode_payload, encode_payload, seal
+from tail_ray.errors import CodecError, ConfigError
+
+BUCKET = 512
+
+
+def _dither(x: np.ndarray, bits: int, seed: int, bucket: int = BUCKET) -> QuantRecord:
+    levels = np.empty(x.size, np.int8)
+    scales = np.empty(n_buckets(x.size, bucket), np.float32)
+    quantize(x, bits, bucket, seed, levels, scales, rounding="dither")
+    return QuantRecord("w", bits, bucket, scales, levels, dither_seed=seed)
+
+
+def _gradient(n: int = 20_000, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_t(4, size=n) * 1e-2).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_error_is_within_half_a_step_and_its_size_is_known(bits):
+    x = _gradient()
+    rec = _dither(x, bits, seed=11)
+    decoded = dequantize(rec.levels, rec.scales, bits, BUCKET, dither_seed=11)
+    step = np.repeat(rec.scales / ((1 << (bits - 1)) - 1), BUCKET)[: x.size]
+    err = decoded.astype(np.float64) - x
+    # Half a step, except where the top level was clamped (a value at the scale itself).
+    inside = np.abs(err) <= 0.5 * step * (1 + 1e-5)
+    assert inside.mean() > 0.995
+    assert np.all(np.abs(err) <= step * (1 + 1e-5))
+    known = dither_error_sq(rec.scales, bits, BUCKET, x.size)
+    assert float(np.sum(err * err)) == pytest.approx(known, rel=0.05)
+
+
+def test_it_is_unbiased_and_needs_the_senders_seed():
+    x = _gradient(4096, seed=1)
+    total = np.zeros(x.size)
+    for seed in range(300):
+        rec = _dither(x, 2, seed)
+        total += dequantize(rec.levels, rec.scales, 2, BUCKET, dither_seed=seed)
+    sd_of_mean = np.sqrt(dither_error_sq(rec.scales, 2, BUCKET, x.size) / x.size / 300)
+    assert abs(float(np.mean(total / 300 - x))) < 5 * sd_of_mean / np.sqrt(x.size)
+    assert float(np.sqrt(np.mean((total / 300 - x) ** 2))) < 1.5 * sd_of_mean
+    # Decoded with another seed the error is larger: that seed's uniforms add their own noise.
+    right = dequantize(rec.levels, rec.scales, 2, BUCKET, dither_seed=299)
+    wrong = dequantize(rec.levels, rec.scales, 2, BUCKET, dither_seed=298)
+    assert float(np.sum((wrong - x) ** 2)) > 1.4 * float(np.sum((right - x) ** 2))
+
+
+def test_zero_buckets_decode_to_zero_and_huge_values_stay_finite():
+    x = _gradient(3 * BUCKET, seed=2)
+    x[BUCKET : 2 * BUCKET] = 0.0
+    x[0] = np.finfo(np.float32).max
+    x[1] = -np.finfo(np.float32).max
+    for bits in (2, 8):
+        rec = _dither(x, bits, seed=3)
+        decoded = dequantize(rec.levels, rec.scales, bits, BUCKET, dither_seed=3)
+        assert np.all(decoded[BUCKET : 2 * BUCKET] == 0.0)
+        assert np.all(np.isfinite(decoded))
+
+
+def test_a_residual_is_sent_once_and_emptied():
+    x = _gradient(5000, seed=4)
+    residual = x * np.float32(0.5)
+    levels = np.empty(x.size, np.int8)
+    scales = np.empty(n_buckets(x.size, BUCKET), np.float32)
+    _nnz, err = quantize_finite(x, residual, 4, BUCKET, 9, levels, scales, rounding="dither")
+    assert err == 0.0 and not residual.any()
+    decoded = dequantize(levels, scales, 4, BUCKET, dither_seed=9)
+    assert float(np.sum((decoded - 1.5 * x) ** 2)) == pytest.approx(
+        dither_error_sq(scales, 4, BUCKET, x.size), rel=0.1
+    )
+
+
+def test_the_controller_prices_exactly_the_error_the_kernel_makes():
+    x = _gradient(30_000, seed=5)
+    nu = relative_errors(
+        x, None, BUCKET, (2, 3, 4, 8), sample_numel=None, rng=np.random.default_rng(0), rounding="dither"
+    )
+    for bits, nu_b in zip((2, 3, 4, 8), nu, strict=True):
+        rec = _dither(x, bits, seed=1)
+        exact = dither_error_sq(rec.scales, bits, BUCKET, x.size) / float(np.sum(x.astype(np.float64) ** 2))
+        assert nu_b == pytest.approx(exact, rel=1e-4)
+
+
+def test_the_wire_carries_the_seed_and_refuses_a_truncated_one():
+    x = _gradient(3000, seed=6)
+    rec = _dither(x, 3, seed=0xDEADBEEF)
+    plain = QuantRecord("p", 3, BUCKET, rec.scales, rec.levels)
+    payload, costs = encode_payload([rec, plain])
+    got = decode_payload(payload)
+    assert got[0].kind == Kind.QUANT_DITHER and got[0].dither_seed == 0xDEADBEEF
+    assert got[1].kind == Kind.QUANT and got[1].dither_seed is None
+    assert np.array_equal(
+        record_to_flat(got[0]).numpy(), dequantize(rec.levels, rec.scales, 3, BUCKET, 0xDEADBEEF)
+    )
+    # The seed costs its 4 bytes and nothing else.
+    assert costs[0].encoded_bytes - costs[1].encoded_bytes == 4 + len("w") - len("p")
+    # A flipped seed bit is caught by the checksum; cut inside the seed (re-sealed: past the
+    # CRC), the parser names the field.
+    broken = bytearray(payload)
+    seed_at = payload.index((0xDEADBEEF).to_bytes(4, "little"))
+    broken[seed_at] ^= 1
+    with pytest.raises(CodecError) as crc:
+        decode_payload(bytes(broken))
+    assert crc.value.field == "checksum"
+    frame = payload[:-4]
+    cut = seal(frame[: seed_at + 2])
+    with pytest.raises(CodecError):
+        decode_payload(cut)
+    with pytest.raises(CodecError) as bad:
+        encode_payload([QuantRecord("w", 3, BUCKET, rec.scales, rec.levels, dither_seed=1 << 32)])
+    assert bad.value.field == "dither_seed"
+
+
+def test_every_decoder_subtracts_the_uniforms():
+    x = _gradient(10_000, seed=7)
+    recs = [_dither(x + np.float32(r * 1e-3), 3, seed=40 + r) for r in range(2)]
+    flats = [record_to_flat(r) for r in recs]
+    assert np.array_equal(sample_flat(recs[0], 7).numpy(), flats[0].numpy()[::7])
+    assert np.array_equal(
+        sample_stack(recs, 5).numpy(), torch.stack([f[::5] for f in flats]).double().numpy()
+    )
+    into_records = {"w": torch.empty(x.size)}
+    into_tensors = {"w": torch.empty(x.size)}
+    mean_records_into([{"w": r} for r in recs], into_records)
+    mean_tensors_into([{"w": f} for f in flats], into_tensors)
+    assert torch.equal(into_records["w"], into_tensors["w"])
+    truth = x.astype(np.float64) + 0.5e-3
+    assert float(np.mean((into_records["w"].numpy() - truth) ** 2)) < 0.6 * float(
+        np.mean((flats[0].numpy() - x) ** 2)
+    )
+    with pytest.raises(ValueError, match="dithered"):
+        slice_record(recs[0], BUCKET, 2 * BUCKET)
+
+
+def _grads(rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.from_numpy((rng.standard_normal(40_000) * 1e-2).astype(np.float32)),
+        "b": torch.from_numpy(rng.standard_normal(64).astype(np.float32)),
+    }
+
+
+def test_tail_sends_dithered_layers_with_a_known_error_and_no_residual():
+    comp = TailCompressor(TailConfig(rounding="dither", seed=5))
+    assert comp.controller.policy.noise_fraction == TailConfig().dither_noise_fraction
+    rng = np.random.default_rng(8)
+    bits_seen = []
+    for _ in range(DITHER_START_STEPS + 3):
+        grads = _grads(rng)
+        records = {r.name: r for r in decode_payload(comp.compress(grads))}
+        w = records["w"]
+        assert isinstance(w, QuantRecord) and w.dither_seed is not None
+        stat = next(s for s in comp.last_stats if s.layer == "w")
+        g = grads["w"].numpy().astype(np.float64)
+        assert stat.rel_error == pytest.approx(
+            dither_error_sq(w.scales, w.bits, w.bucket_size, w.numel) / float(np.sum(g * g)), rel=1e-6
+        )
+        assert "w" not in comp.feedback  # no residual is kept
+        bits_seen.append(w.bits)
+    assert bits_seen[:DITHER_START_STEPS] == [max(TailConfig().candidate_bits)] * DITHER_START_STEPS
+    assert max(bits_seen[DITHER_START_STEPS:]) < max(TailConfig().candidate_bits)
+
+
+def test_a_restored_residual_is_sent_once_under_dither():
+    nearest = TailCompressor(TailConfig(seed=1, rounding="nearest", lowrank="off"))
+    rng = np.random.default_rng(9)
+    nearest.compress(_grads(rng))
+    state = nearest.state_dict()
+    assert float(state["residuals"]["w"].norm()) > 0
+    comp = TailCompressor(TailConfig(seed=1, rounding="dither", lowrank="off"))
+    comp.load_state_dict(state)
+    grads = _grads(rng)
+    decoded = comp.decompress(comp.compress(grads))["w"]
+    owed = grads["w"] + state["residuals"]["w"]
+    assert float(((decoded - owed) ** 2).sum()) < float(((decoded - grads["w"]) ** 2).sum())
+    assert "w" not in comp.feedback
+
+
+def test_the_sharded_exchange_rounds_to_nearest_with_its_budget():
+    comp = TailCompressor(TailConfig(rounding="dither", seed=2))
+    rng = np.random.default_rng(10)
+    payloads = comp.compress_shards(_grads(rng), [{"w": slice(0, 20_480)}, {"w": slice(20_480, 40_000)}])
+    for payload in payloads:
+        for rec in decode_payload(payload):
+            assert not isinstance(rec, QuantRecord) or rec.dither_seed is None
+    assert comp.controller.rounding == "nearest"
+    assert comp.controller.policy.noise_fraction == TailConfig().noise_fraction
+
+
+def test_cuda_gradients_are_refused_not_sent_another_way():
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        check_device_rounding("dither")
+    check_device_rounding("nearest")
+    with pytest.raises(ConfigError, match="dither_noise_fraction"):
+        TailConfig(rounding="dither", dither_noise_fraction=0.0)
