@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression import make_compressor
+from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import compress_lowrank
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays
@@ -70,10 +71,9 @@ def _compressors() -> None:
     rng = np.random.default_rng(0)
     grads = _layers(rng)
     for method, settings in (
-        ("tail", {"seed": 0, "candidate_bits": (4,)}),
+        ("tail", {"seed": 0, "candidate_bits": (4,), "rounding": "nearest"}),  # error feedback
         ("tail", {"seed": 0, "candidate_bits": (8,)}),
-        ("tail", {"seed": 0}),
-        ("tail", {"seed": 0, "rounding": "dither"}),  # its kernel and its decoder
+        ("tail", {"seed": 0}),  # dither (rounding "auto"): its kernel and its decoder
         ("qsgd", {"bits": 4, "seed": 0}),
         ("topk", {"density": 0.01}),
         ("none", {}),
@@ -102,6 +102,7 @@ def _means(max_world: int) -> None:
     out = np.empty(n, np.float32)
     for world in range(1, max_world + 1):
         mean_dequantized_into([levels] * world, [scales] * world, [4] * world, [512] * world, out)
+        mean_undithered_into([levels] * world, [scales] * world, [4] * world, [512] * world, [1] * world, out)
         mean_into([values] * world, out)
 
 
@@ -113,6 +114,7 @@ def _controller() -> None:
     relative_errors(g, g * 0.1, 512, (2, 3, 4, 5, 6, 8), sample_numel=None, rng=rng)
     rec = QuantRecord("w", 4, 512, scales=np.abs(g[: -(-g.size // 512)]), levels=np.zeros(g.size, np.int8))
     sample_stack([rec, rec], 7)
+    sample_stack([replace(rec, dither_seed=1), replace(rec, dither_seed=2)], 7)  # dither's sample
 
 
 def warmup(

@@ -7,9 +7,10 @@ Two entry points, bit-identical to each other on the same payloads:
   (``quantize.mean_dequantized_into``) straight into the gradient when it is CPU fp32
   contiguous: no per-rank float32 copy; into a CUDA gradient (Triton backend,
   ``device.uses_triton``) the same arithmetic runs as one Triton kernel on the device
-  (``device_codec.mean_into``: int8 levels up, nothing back). Any other layer (raw, sparse,
-  dithered, or a mix, e.g. one rank sent a non-finite layer raw) is decoded to tensors and
-  averaged as above.
+  (``device_codec.mean_into``: int8 levels up, nothing back). A layer dithered on every rank
+  (always a host gradient: the Triton path has no dither) is averaged in one pass too
+  (``quantize.mean_undithered_into``). Any other layer (raw, sparse, or a mix, e.g. one rank
+  sent a non-finite layer raw) is decoded to tensors and averaged as above.
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
 divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from tail_ray.compression.device import uses_triton
+from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import record_to_flat
 from tail_ray.compression.records import LayerRecord, QuantRecord
@@ -86,6 +88,24 @@ def mean_tensors_into(
         _copy_mean(g, tensors)
 
 
+def _fused_mean(g: torch.Tensor, dithered: list[QuantRecord]) -> None:
+    """g <- the rank mean of layers every rank sent dithered, in one pass on the host."""
+    direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
+    out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
+    seeds = [r.dither_seed for r in dithered]
+    assert all(s is not None for s in seeds)
+    mean_undithered_into(
+        [r.levels for r in dithered],
+        [r.scales for r in dithered],
+        [r.bits for r in dithered],
+        [r.bucket_size for r in dithered],
+        [int(s) for s in seeds if s is not None],
+        out,
+    )
+    if not direct:
+        g.copy_(torch.from_numpy(out).view(g.shape))
+
+
 def mean_records_into(
     records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
 ) -> None:
@@ -95,9 +115,12 @@ def mean_records_into(
         raise ValueError("nothing to average: no payloads")
     layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
     for g, recs in zip(into.values(), layers, strict=True):
-        # Dithered layers decode through record_to_flat (their uniforms are subtracted there).
         quant = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is None]
-        if len(quant) < len(recs):
+        dithered = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is not None]
+        if len(dithered) == len(recs):  # every rank dithered it: the fused mean subtracts each u
+            _fused_mean(g, dithered)
+            continue
+        if len(quant) < len(recs):  # a mix: each decoded on its own (record_to_flat), then the mean
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
             continue
         if uses_triton(g):

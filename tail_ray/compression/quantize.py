@@ -45,6 +45,7 @@ import zlib
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.dither import dither_core, undither_core
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total, sum_squares
 from tail_ray.compression.grid import (
     F32_MAX,
@@ -54,6 +55,15 @@ from tail_ray.compression.grid import (
     inverse_levels_max,
     levels_max,
     n_buckets,
+)
+from tail_ray.compression.kernel_parts import (
+    CHUNK,
+    GOLDEN,
+    MEAN_TILE,
+    UNIFORM_TABLE,
+    absmax,
+    chunk_draw,
+    uniform,
 )
 from tail_ray.compression.rounding import (
     ROUNDING_MODES,
@@ -69,7 +79,6 @@ __all__ = [
     "UNIFORM_TABLE",
     "bucket_steps",
     "dequantize",
-    "dither_error_sq",
     "is_dither",
     "is_nearest",
     "kernel_rounding",
@@ -84,14 +93,6 @@ __all__ = [
     "sum_squares",
 ]
 
-_U16 = 1.0 / (1 << 16)
-_TABLE_SIZE = 1 << 16
-_CHUNK = 1024  # elements per random table offset
-# A random permutation of 0..65535, stored twice so any window of _CHUNK elements starting
-# below 65536 is contiguous; see _round_bucket for how a window becomes uniforms.
-_TABLE = np.random.default_rng(0x7A11).permutation(_TABLE_SIZE).astype(np.uint16)
-UNIFORM_TABLE = np.concatenate([_TABLE, _TABLE])
-
 
 def layer_seed(base_seed: int, step: int, name: str) -> int:
     """A 32-bit seed that differs per worker (base_seed), per call (step) and per layer."""
@@ -100,45 +101,6 @@ def layer_seed(base_seed: int, step: int, name: str) -> int:
     )
     h ^= h >> 31
     return h & 0xFFFFFFFF
-
-
-@njit(cache=True, nogil=True)
-def _absmax(x):  # type: ignore[no-untyped-def]
-    # For non-negative floats the bit patterns order like the values, so the max-abs is an
-    # integer max of (bits & 0x7FFFFFFF): LLVM vectorizes that, but not a float max.
-    u = x.view(np.int32)
-    m = np.int32(0)
-    for i in range(u.size):
-        m = max(m, u[i] & np.int32(0x7FFFFFFF))
-    return m
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _splitmix(h):  # type: ignore[no-untyped-def]
-    z = h
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _chunk_draw(h):  # type: ignore[no-untyped-def]
-    """(table offset, rotation) of one chunk from the running hash state ``h``."""
-    z = _splitmix(h)
-    off = np.int64(z & np.uint64(_TABLE_SIZE - 1))
-    # A random rotation of the whole window, u = frac(t / 65536 + r) with r uniform on
-    # [0, 1) from the hash's top 24 bits (Cranley-Patterson): for any table entry t, u is
-    # then uniform on [0, 1), so the rounding is unbiased whatever the table or offset.
-    rot = np.float32(np.int64(z >> np.uint64(40))) * np.float32(1.0 / (1 << 24))
-    return off, rot
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _uniform(t, rot):  # type: ignore[no-untyped-def]
-    """u = frac(t / 65536 + rot) in float32, each operation rounded: the sender's and the
-    receiver's u are the same bits."""
-    u = np.float32(t) * np.float32(_U16) + rot
-    return u - np.float32(1.0) if u >= np.float32(1.0) else u
 
 
 @njit(cache=True, nogil=True)
@@ -152,7 +114,7 @@ def _round_chunk(xb, lb, ub, rot, pre, inv, step, lmax, write_e):  # type: ignor
     cnt = 0
     for i in range(xb.size):
         x = xb[i]
-        u = _uniform(ub[i], rot)
+        u = uniform(ub[i], rot)
         # Truncation equals floor here because the argument is >= 0; y < L + 2, no overflow.
         q = min(np.int32((abs(x) * pre) * inv + u), lmax)
         cnt += min(q, np.int32(1))
@@ -195,10 +157,10 @@ def _round_bucket(xb, lb, tab, h, m, lmax, inv_l, write_e, nearest):  # type: ig
     if nearest:
         return _nearest_chunk(xb, lb, pre, inv, step, lmax, write_e), h
     cnt = 0
-    for lo in range(0, xb.size, _CHUNK):
-        hi = min(xb.size, lo + _CHUNK)
-        h = h + np.uint64(0x9E3779B97F4A7C15)
-        off, rot = _chunk_draw(h)
+    for lo in range(0, xb.size, CHUNK):
+        hi = min(xb.size, lo + CHUNK)
+        h = h + np.uint64(GOLDEN)
+        off, rot = chunk_draw(h)
         window = tab[off : off + (hi - lo)]
         cnt += _round_chunk(xb[lo:hi], lb[lo:hi], window, rot, pre, inv, step, lmax, write_e)
     return cnt, h
@@ -224,7 +186,7 @@ def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab,
         eb = e[lo:hi]
         for i in range(gb.size):
             eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
-        box[0] = _absmax(eb)
+        box[0] = absmax(eb)
         m = fbox[0]
         scales[k] = m
         lb = levels[lo:hi]
@@ -251,7 +213,7 @@ def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab, neare
         lo = k * bucket_size
         hi = min(n, lo + bucket_size)
         xb = x[lo:hi]
-        box[0] = _absmax(xb)
+        box[0] = absmax(xb)
         m = fbox[0]
         scales[k] = m
         lb = levels[lo:hi]
@@ -261,130 +223,6 @@ def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab, neare
         cnt, h = _round_bucket(xb, lb, tab, h, m, lm, inv_l, False, nearest)
         nnz += cnt
     return nnz
-
-
-# --------------------------------------------------------------------------- subtractive dither
-# Subtractive dither (rounding="dither", issue 15): t = x * L / s in two's complement (a
-# sign-magnitude level 0 would lose the sign that subtracting u needs), level = floor(t + u)
-# clamped to [-L, L], and the receiver decodes (level + (1/2 - u)) * step with the very same
-# u. The error is then uniform on (-step/2, step/2], whatever x: unbiased, independent of the
-# gradient and of every other element, with variance step^2 / 12 known from the scales alone.
-# There is no error feedback: what the rounding dropped is not resent (nothing to resend: the
-# error is zero-mean noise, not a bias).
-#
-# The uniforms are keyed by position, not by a walk over the layer: bucket k's state is a hash
-# of (seed, k), and its chunks of 1,024 read the table as the stochastic kernel does. A bucket
-# decodes without the buckets before it, and an all-zero bucket costs no draw.
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _bucket_state(seed, k):  # type: ignore[no-untyped-def]
-    return _splitmix(np.uint64(seed) ^ (np.uint64(k + 1) * np.uint64(0xD1B54A32D192ED03)))
-
-
-@njit(cache=True, nogil=True)
-def _dither_chunk(xb, lb, ub, rot, pre, inv, lmax):  # type: ignore[no-untyped-def]
-    """lb = clamp(floor((x * pre) * inv + u), -L, L), each operation rounded. Returns nnz."""
-    cnt = 0
-    for i in range(xb.size):
-        y = (xb[i] * pre) * inv + _uniform(ub[i], rot)
-        q = min(max(np.int32(np.floor(y)), -lmax), lmax)  # |y| < L + 2: no overflow
-        cnt += min(abs(q), np.int32(1))
-        lb[i] = np.int8(q)
-    return cnt
-
-
-@njit(cache=True, nogil=True)
-def _dither_bucket(xb, lb, tab, seed, k, m, lmax):  # type: ignore[no-untyped-def]
-    """Dither bucket k (scale m > 0) of a layer; returns its non-zero level count."""
-    pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
-    inv = np.float32(lmax) / (m * pre)
-    h = _bucket_state(seed, k)
-    cnt = 0
-    for lo in range(0, xb.size, _CHUNK):
-        hi = min(xb.size, lo + _CHUNK)
-        h = h + np.uint64(0x9E3779B97F4A7C15)
-        off, rot = _chunk_draw(h)
-        cnt += _dither_chunk(xb[lo:hi], lb[lo:hi], tab[off : off + (hi - lo)], rot, pre, inv, lmax)
-    return cnt
-
-
-@njit(cache=True, nogil=True)
-def _dither_core(g, e, use_e, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """Dither g (or g + e, saturated, when ``use_e``: a residual left from another rounding is
-    sent once and e is emptied) into levels and scales. Returns nnz."""
-    n = g.size
-    nb = (n + bucket_size - 1) // bucket_size
-    lm = np.int32(lmax)
-    nnz = 0
-    box = np.empty(1, np.int32)
-    fbox = box.view(np.float32)
-    for k in range(nb):
-        lo = k * bucket_size
-        hi = min(n, lo + bucket_size)
-        lb = levels[lo:hi]
-        if use_e:
-            eb = e[lo:hi]
-            gb = g[lo:hi]
-            for i in range(eb.size):
-                eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
-            box[0] = _absmax(eb)
-            m = fbox[0]
-            scales[k] = m
-            if m == 0:
-                lb[:] = 0
-                continue
-            nnz += _dither_bucket(eb, lb, tab, seed, k, m, lm)
-            eb[:] = 0
-        else:
-            xb = g[lo:hi]
-            box[0] = _absmax(xb)
-            m = fbox[0]
-            scales[k] = m
-            if m == 0:
-                lb[:] = 0
-                continue
-            nnz += _dither_bucket(xb, lb, tab, seed, k, m, lm)
-    return nnz
-
-
-@njit(cache=True, nogil=True)
-def _undither_core(levels, steps, bucket_size, seed, tab, out):  # type: ignore[no-untyped-def]
-    """out[i] = (float32(level) + (1/2 - u)) * step, each operation rounded (no FMA: the same
-    bits on every CPU), with the sender's u, saturated at float32's max; a bucket of step 0
-    (all-zero) decodes to 0."""
-    n = levels.size
-    nb = (n + bucket_size - 1) // bucket_size
-    half = np.float32(0.5)
-    for k in range(nb):
-        lo = k * bucket_size
-        hi = min(n, lo + bucket_size)
-        step = steps[k]
-        ob = out[lo:hi]
-        if step == 0:
-            ob[:] = 0
-            continue
-        lb = levels[lo:hi]
-        h = _bucket_state(seed, k)
-        for c in range(0, hi - lo, _CHUNK):
-            d = min(hi - lo, c + _CHUNK)
-            h = h + np.uint64(0x9E3779B97F4A7C15)
-            off, rot = _chunk_draw(h)
-            for i in range(c, d):
-                u = _uniform(tab[off + (i - c)], rot)
-                # Saturated: at the top level the value may pass the scale by half a step,
-                # which past ~F32_MAX / (1 + 1 / 2L) would round to inf.
-                ob[i] = min(max((np.float32(lb[i]) + (half - u)) * step, -F32_MAX), F32_MAX)
-
-
-def dither_error_sq(scales: np.ndarray, bits: int, bucket_size: int, numel: int) -> float:
-    """The dither error's expected ||decoded - x||^2, known from the scales alone: every element
-    of bucket k is off by U(-1/2, 1/2] steps, so sum over buckets of n_k step_k^2 / 12."""
-    steps = bucket_steps(scales, bits).astype(np.float64)
-    counts = np.full(steps.size, float(bucket_size))
-    if steps.size:
-        counts[-1] = numel - bucket_size * (steps.size - 1)
-    return float(np.dot(counts, steps * steps)) / 12.0
 
 
 def quantize_finite(
@@ -413,7 +251,7 @@ def quantize_finite(
     if is_dither(rounding):
         use_e = residual is not None
         e = residual if residual is not None else g
-        nnz = _dither_core(g, e, use_e, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
+        nnz = dither_core(g, e, use_e, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
         return int(nnz), 0.0
     near = is_nearest(rounding)
     if residual is None:
@@ -493,12 +331,8 @@ def dequantize(
     if dither_seed is None:
         _dequantize_core(lv, steps, bucket_size, out)
     else:
-        _undither_core(lv, steps, bucket_size, int(dither_seed) & 0xFFFFFFFF, UNIFORM_TABLE, out)
+        undither_core(lv, steps, bucket_size, int(dither_seed) & 0xFFFFFFFF, UNIFORM_TABLE, out)
     return out
-
-
-# Elements the fused mean works on at a time: its float64 accumulator stays in L1.
-_MEAN_TILE = 2048
 
 
 @njit(cache=True, nogil=True)
@@ -513,12 +347,12 @@ def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out):  # type: ignor
     n = out.size
     world = len(levels_t)
     wf = np.float64(world)
-    buf = np.empty(_MEAN_TILE, np.float64)
+    buf = np.empty(MEAN_TILE, np.float64)
     lo = 0
     while lo < n:
         # The segment ends at the first bucket boundary of any rank (ranks may differ in
         # bucket size), so each rank has one step per segment.
-        hi = min(n, lo + _MEAN_TILE)
+        hi = min(n, lo + MEAN_TILE)
         for r in range(world):
             bs = bucket_sizes[r]
             hi = min(hi, (lo // bs + 1) * bs)
@@ -566,9 +400,9 @@ def _mean_core(values_t, out):  # type: ignore[no-untyped-def]
     n = out.size
     world = len(values_t)
     wf = np.float64(world)
-    buf = np.empty(_MEAN_TILE, np.float64)
-    for lo in range(0, n, _MEAN_TILE):
-        hi = min(n, lo + _MEAN_TILE)
+    buf = np.empty(MEAN_TILE, np.float64)
+    for lo in range(0, n, MEAN_TILE):
+        hi = min(n, lo + MEAN_TILE)
         m = hi - lo
         for r in range(world):
             v = values_t[r][lo:hi]

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from numba import njit
 
+from tail_ray.compression.dither import sample_undithered
+from tail_ray.compression.kernel_parts import UNIFORM_TABLE
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord, SparseRecord
@@ -49,9 +51,15 @@ def records_to_flat(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:
 
 def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
     """``records_to_flat([rec])[rec.name][::stride]`` without decoding the other elements:
-    a quantized layer dequantizes only the sampled levels (same float32 products); a dithered
-    one is decoded whole (its uniforms come in chunks) and then sampled."""
-    if isinstance(rec, QuantRecord) and rec.dither_seed is None:
+    a quantized layer dequantizes only the sampled levels (same float32 products)."""
+    if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
+        out = np.empty(len(range(0, rec.numel, stride)), dtype=np.float64)
+        steps = bucket_steps(rec.scales, rec.bits)
+        sample_undithered(
+            rec.levels.reshape(-1), steps, rec.bucket_size, rec.dither_seed, UNIFORM_TABLE, stride, out
+        )
+        return torch.from_numpy(out.astype(np.float32))
+    if isinstance(rec, QuantRecord):
         at = np.arange(0, rec.numel, stride)
         steps = bucket_steps(rec.scales, rec.bits)[at // rec.bucket_size]
         return torch.from_numpy(rec.levels.reshape(-1)[::stride].astype(np.float32) * steps)
@@ -73,10 +81,10 @@ def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
     """``torch.stack([sample_flat(r, stride) for r in records]).double()``: observe_peers' sample.
 
     One numba call per rank, straight into the float64 matrix, when every record is quantized
-    (not dithered) and of one size (the hot path); otherwise exactly that expression, which raises
+    (dithered or not) and of one size (the hot path); otherwise exactly that expression, which raises
     RuntimeError for records of different sizes (the caller skips such a layer).
     """
-    quant = [r for r in records if isinstance(r, QuantRecord) and r.dither_seed is None]
+    quant = [r for r in records if isinstance(r, QuantRecord)]
     if (
         len(quant) == len(records)
         and len({r.numel for r in quant}) == 1
@@ -86,6 +94,11 @@ def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
         out = np.empty((len(records), len(range(0, records[0].numel, stride))), dtype=np.float64)
         for row, r in zip(out, quant, strict=True):
             steps = bucket_steps(r.scales, r.bits)
-            _sample_dequantized(r.levels.reshape(-1), steps, r.bucket_size, stride, row)
+            if r.dither_seed is None:
+                _sample_dequantized(r.levels.reshape(-1), steps, r.bucket_size, stride, row)
+            else:
+                sample_undithered(
+                    r.levels.reshape(-1), steps, r.bucket_size, r.dither_seed, UNIFORM_TABLE, stride, row
+                )
         return torch.from_numpy(out)
     return torch.stack([sample_flat(r, stride) for r in records]).double()

@@ -37,11 +37,13 @@ ROUNDING_MODES = ("auto", *ROUNDINGS)
 
 
 def kernel_rounding(rounding: str) -> str:
-    """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is nearest, on the CPU
-    kernels and the Triton path alike (docs/engine.md, "Nearest rounding by default"); an
-    explicit choice is kept. A ConfigError for anything else."""
+    """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is dither where a layer can
+    carry it (the CPU kernels, whole layers: docs/engine.md, "Subtractive dither by default")
+    and nearest where it cannot (the Triton path, the sharded exchanges' slices: Tail falls
+    back there, ``TailCompressor._undither``); an explicit choice is kept. A ConfigError for
+    anything else."""
     if rounding == "auto":
-        return "nearest"
+        return "dither"
     is_nearest(rounding)
     return rounding
 

@@ -30,11 +30,12 @@ from tail_ray.bitwidth.lowrank_choice import LowRankChooser
 from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.compression.device import LayerArray
+from tail_ray.compression.dither import dither_error_sq
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.grid import F32_MAX
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
-from tail_ray.compression.quantize import dither_error_sq, layer_seed, sum_squares
+from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord
@@ -149,13 +150,15 @@ class TailCompressor(RecordCompressor):
         self._undither()
         return super().compress_shards(grads, shards, own_shard=own_shard)
 
-    def _undither(self) -> None:
-        """Round to nearest, with its own budget, instead of dither: a dithered layer has no
-        element slices (its uniforms are keyed by bucket from the layer's start), so the
-        sharded exchanges and their second stages, which send slices, cannot carry one."""
+    def _undither(self, why: str = "the sharded exchange sends slices") -> None:
+        """Round to nearest, with its own budget, instead of dither, where a layer cannot carry
+        dither: the sharded exchanges and their second stages send slices (a dithered layer's
+        uniforms are keyed by bucket from the layer's start), and the Triton kernels have no
+        dither (under rounding "auto" only; an explicit "dither" there is a ConfigError)."""
         if self.controller.rounding != "dither":
             return
-        log.info("rounding 'dither' cannot be sent in slices: the sharded exchange rounds to nearest")
+        level = logging.INFO if self.config.rounding == "auto" else logging.WARNING
+        log.log(level, "rounding to nearest instead of dither: %s", why)
         self.controller.rounding = "nearest"
         self.controller.policy.s = self.config.budget_settings(dither=False)
 
@@ -228,9 +231,10 @@ class TailCompressor(RecordCompressor):
             return self._small_fp16(name, g)
         step = self._layer_steps[name] - 1
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(
-            name, g, bits, self.config.bucket_size, seed, self.controller.rounding
-        )
+        # With error feedback, as documented for small_layer_bits: nearest where the large
+        # layers are dithered (too few elements for dither's noise to average out).
+        rounding = "nearest" if self.controller.rounding == "dither" else self.controller.rounding
+        record, nnz = self.quantize_layer(name, g, bits, self.config.bucket_size, seed, rounding)
         return CompressedLayer(record, 0.0, nnz)
 
     def _small_fp16(self, name: str, g: np.ndarray) -> CompressedLayer:
@@ -254,9 +258,11 @@ class TailCompressor(RecordCompressor):
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
+        if self.controller.rounding == "dither" and not isinstance(g, np.ndarray):
+            if self.config.rounding != "auto":
+                check_device_rounding("dither")  # a ConfigError: never sent some other way
+            self._undither("the Triton kernels have no dither")  # "auto": the device's rounding
         dither = self.controller.rounding == "dither"
-        if dither and not isinstance(g, np.ndarray):
-            check_device_rounding("dither")  # a ConfigError: never sent some other way
         # A dithered layer keeps no residual: only one left by low-rank (or a checkpoint of
         # another rounding) is still there, to be sent once.
         carried = self.feedback is not None and name in self.feedback

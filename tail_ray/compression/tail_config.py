@@ -10,7 +10,7 @@ from tail_ray.bitwidth.lowrank_agree import AGREE_RULES
 from tail_ray.bitwidth.lowrank_choice import LOWRANK_MODES, LOWRANK_TARGETS, LowRankSettings
 from tail_ray.bitwidth.plan import ALLOCATIONS
 from tail_ray.bitwidth.policy import BudgetSettings
-from tail_ray.compression.rounding import ROUNDING_MODES
+from tail_ray.compression.rounding import ROUNDING_MODES, kernel_rounding
 from tail_ray.errors import ConfigError
 
 
@@ -77,20 +77,23 @@ class TailConfig:
         or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
         padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
         (docs/engine.md, "Agreed low-rank choice").
-    rounding: "auto" (the default: "nearest", on the CPU kernels and the Triton path alike),
-        "stochastic" (unbiased), "nearest" (halves away from zero: ~half the error at the
+    rounding: "auto" (the default: "dither" on the CPU kernels, "nearest" where a layer
+        cannot carry dither: the Triton path and the sharded exchanges' slices), "dither"
+        (CPU kernels only: subtractive dither, an unbiased error of exactly step^2 / 12 per
+        element that no error feedback carries; the payload carries a 4-byte seed per layer),
+        "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at the
         same bits, biased per step, error feedback carries the bias on; the same levels on
-        both backends, bit for bit) or "dither" (opt-in, CPU kernels only: subtractive dither,
-        an unbiased error of exactly step^2 / 12 per element that no error feedback carries;
-        the payload carries a 4-byte seed per layer; docs/engine.md, "Subtractive dither in
-        the engine"). Default since issue 15: 12.0x vs 9.5x on the LM at the
-        same loss over 15 seeds, 26-31x vs 22-26x on digits (docs/engine.md, "Round-to-nearest",
-        "Nearest rounding by default").
+        both backends, bit for bit). Dither by default since issue 15: on the LM 14.5x at
+        +0.60 % of none against nearest's 12.2x at +1.74 % (paired -1.14 points, 10 seeds),
+        digits unchanged (docs/engine.md, "Subtractive dither by default"); nearest was the
+        default before (12.0x vs 9.5x on the LM against stochastic: "Nearest rounding by
+        default").
     dither_noise_fraction: the noise fraction (in place of ``noise_fraction``) when rounding
         is "dither" and the optimizer is not linear: dither's error is memoryless, so none of
         it piles up in a residual; 0.5 measured best on the LM with AdamW (docs/engine.md).
-        The first ``DITHER_START_STEPS`` steps of a dithered layer go at the largest candidate
-        bits (Adam's second moment remembers its first steps' noise for the whole run).
+        The first ``tail.DITHER_START_STEPS`` steps of a dithered layer go at the largest
+        candidate bits (Adam's second moment remembers its first steps' noise for the whole
+        run).
     seed: base of the stochastic-rounding hash; None draws a random one per instance, so
         workers' rounding noise is independent (as averaging needs).
     """
@@ -204,7 +207,7 @@ class TailConfig:
         one its budget priced (stochastic, dither), "budget" where it is about half (nearest)."""
         if self.lowrank_target != "auto":
             return self.lowrank_target
-        return "bits" if self.rounding in ("stochastic", "dither") else "budget"
+        return "bits" if kernel_rounding(self.rounding) in ("stochastic", "dither") else "budget"
 
     def lowrank_settings(self) -> LowRankSettings:
         return LowRankSettings(
@@ -217,7 +220,7 @@ class TailConfig:
     def budget_settings(self, *, dither: bool | None = None) -> BudgetSettings:
         """The budget's settings; ``dither`` (default: whether rounding is "dither") puts
         ``dither_noise_fraction`` in place of ``noise_fraction``."""
-        dither = self.rounding == "dither" if dither is None else dither
+        dither = kernel_rounding(self.rounding) == "dither" if dither is None else dither
         return BudgetSettings(
             noise_fraction=self.dither_noise_fraction if dither else self.noise_fraction,
             linear_noise_fraction=self.linear_noise_fraction,

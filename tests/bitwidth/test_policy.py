@@ -102,8 +102,9 @@ def test_state_roundtrip():
 @pytest.mark.parametrize("r", [1.0, 0.6, 0.1])
 def test_default_budget_is_a_quarter_of_the_sgd_noise(r):
     # The default rule (measured on the char LM: compression noise equal to the SGD noise cost
-    # +2.2-2.5 % validation loss, a quarter of it +0.2-1.3 %, mean +0.9 %): tau = r / 4 when steady.
-    p = _policy()
+    # +2.2-2.5 % validation loss, a quarter of it +0.2-1.3 %, mean +0.9 %): tau = r / 4 when steady,
+    # for the quantizer with error feedback (nearest; dither's budget is the next test's).
+    p = _policy(rounding="nearest")
     _noise(p, "w", r)
     s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
     assert p.phase("w", s) == Phase.STEADY
@@ -119,7 +120,7 @@ def test_a_linear_optimizer_gets_half_the_sgd_noise_and_adam_keeps_a_quarter(r):
     # SGD's step is linear in the gradient: with error feedback the compressed steps add up to
     # the true ones less lr times the residual, so it may take twice Adam's fraction (measured:
     # docs/engine.md, "The budget follows the optimizer").
-    p = _policy()
+    p = _policy(rounding="nearest")
     _noise(p, "w", r)
     s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
     assert not p.linear and p.tau("w", s) == pytest.approx(r / 4)
@@ -130,10 +131,26 @@ def test_a_linear_optimizer_gets_half_the_sgd_noise_and_adam_keeps_a_quarter(r):
     p.set_linear(False)
     assert p.tau("w", s) == pytest.approx(r / 4)
     # One budget whatever the optimizer, when asked for.
-    same = _policy(linear_noise_fraction=0.25)
+    same = _policy(rounding="nearest", linear_noise_fraction=0.25)
     same.set_linear(True)
     _noise(same, "w", r)
     assert same.tau("w", s) == pytest.approx(r / 4)
+
+
+@pytest.mark.parametrize("r", [0.9, 0.1])
+def test_the_default_dither_budget_is_half_the_sgd_noise_for_adam_too(r):
+    # Dither's error is memoryless noise that no residual piles up: Adam's budget is
+    # dither_noise_fraction (measured on the LM, docs/engine.md, "Subtractive dither by
+    # default"), the linear optimizers keep theirs; "nearest" keeps its quarter.
+    p = _policy()
+    _noise(p, "w", r)
+    s = TailConfig().warmup_steps + 2 * TailConfig().critical_steps + 1
+    assert p.noise_fraction == TailConfig().dither_noise_fraction == 0.5
+    assert p.tau("w", s) == pytest.approx(min(r / 2, TailConfig().tau_max))
+    p.set_linear(True)
+    assert p.noise_fraction == TailConfig().linear_noise_fraction
+    assert _policy(rounding="nearest").noise_fraction == TailConfig().noise_fraction == 0.25
+    assert _policy(dither_noise_fraction=0.3).noise_fraction == 0.3
 
 
 def test_the_optimizer_kind_survives_a_checkpoint_and_old_ones_load_as_unknown():

@@ -21,6 +21,7 @@ import torch
 
 from tail_ray.bitwidth.lowrank_rows import rows_lost_share
 from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays, power_step_arrays
@@ -81,6 +82,7 @@ def digests() -> dict[str, str]:
     record("controller decisions", _decisions)
 
     quantized: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    dithered: dict[int, QuantRecord] = {}
     for bits in (2, 3, 4, 8):
         levels = np.empty(n, np.int8)
         scales = np.empty(n_buckets(n, 512), np.float32)
@@ -112,6 +114,7 @@ def digests() -> dict[str, str]:
         residual = g * np.float32(0.25)
         nnz_e, _ = quantize_finite(g, residual, bits, 512, 6, levels, scales, rounding="dither")
         out[f"quantize_dither_{bits}b"] = _digest([*parts, levels, scales, nnz_e, residual])
+        dithered[bits] = QuantRecord("w", bits, 512, scales.copy(), levels.copy(), dither_seed=6)
 
     for bits, bucket in ((2, 512), (4, 7), (8, 100), (8, 1000)):
         rng = np.random.default_rng(bits + bucket)
@@ -159,6 +162,21 @@ def digests() -> dict[str, str]:
         plain = np.empty(n, np.float32)
         mean_into(decoded, plain)
         out[f"mean_{world}_ranks"] = _digest([mean, plain])
+
+    # The dithered rank mean (fused) and the controller's sample of dithered layers.
+    dith = [dithered[b] for b in (2, 3, 4, 8)]
+    for world in (2, 4):
+        mean = np.empty(n, np.float32)
+        mean_undithered_into(
+            [r.levels for r in dith[:world]],
+            [r.scales for r in dith[:world]],
+            [r.bits for r in dith[:world]],
+            [512] * world,
+            [6 + i for i in range(world)],
+            mean,
+        )
+        out[f"mean_dither_{world}_ranks"] = _digest([mean])
+    record("sample_stack_dither", lambda: [sample_stack(dith, s).numpy() for s in (1, 7)])
 
     records = [
         QuantRecord("w", b, 512, scales=sc, levels=lv)

@@ -289,7 +289,7 @@ def test_an_exactly_low_rank_layer_stays_quantized_when_its_factors_would_not_sa
     # would hold it exactly, but 16 x (32 + 144) factor bytes are more than 80 % of its ~2 KB
     # quantized payload, and rank 8 leaves a third of it. The same gradient family at rank 2
     # is cheaper low-rank, and is sent so.
-    rank12, rank2 = _tail(), _tail()
+    rank12, rank2 = _tail(rounding="nearest"), _tail(rounding="nearest")  # the bytes it was sized on
     for step in range(16):
         rank12.compress({"w": _low_rank_gradient(32, 144, 12, step, noise=0.0)})
         rank2.compress({"w": _low_rank_gradient(32, 144, 2, step, noise=0.0)})

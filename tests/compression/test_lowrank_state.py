@@ -134,7 +134,7 @@ def test_an_inconsistent_layer_state_is_dropped_at_load(caplog: pytest.LogCaptur
 
 @pytest.mark.parametrize(
     "changed",
-    [{"lowrank_ranks": (2, 4, 8)}, {"lowrank_bits": 6}, {"lowrank_target": "bits"}, {"bucket_size": 256}],
+    [{"lowrank_ranks": (2, 4, 8)}, {"lowrank_bits": 6}, {"lowrank_target": "budget"}, {"bucket_size": 256}],
 )
 def test_other_lowrank_settings_start_the_chooser_fresh_and_restore_the_rest(
     changed: dict[str, Any], caplog: pytest.LogCaptureFixture

@@ -112,7 +112,7 @@ def test_rounding_setting_is_validated():
     # "auto" is TailConfig's, resolved once: the kernels and the error model take only theirs.
     with pytest.raises(ConfigError, match=r"rounding must be one of \['stochastic', 'nearest', 'dither'\]"):
         _quant(x, 4, rounding="auto")
-    assert kernel_rounding("auto") == "nearest"
+    assert kernel_rounding("auto") == "dither"
     assert [kernel_rounding(r) for r in ROUNDINGS] == list(ROUNDINGS)  # explicit: kept
     with pytest.raises(ConfigError, match="rounding must be one of"):
         kernel_rounding("Auto")
@@ -120,15 +120,16 @@ def test_rounding_setting_is_validated():
 
 def test_the_low_rank_target_follows_the_rounding() -> None:
     """lowrank_target "auto": "budget" where the quantizer rounds to nearest (its residual
-    at the picked bits is about half what the budget priced), "bits" under stochastic rounding:
-    the two pairings measured (docs/engine.md, "Nearest rounding by default")."""
+    at the picked bits is about half what the budget priced), "bits" under stochastic rounding
+    and dither (the default: their error is the one priced): the pairings measured
+    (docs/engine.md, "Nearest rounding by default", "Subtractive dither by default")."""
     assert TailConfig().lowrank_target == "auto"
-    assert [TailConfig(rounding=r).lowrank_target_for() for r in ("auto", "nearest", "stochastic")] == [
-        "budget", "budget", "bits"
-    ]  # fmt: skip
+    modes = ("auto", "nearest", "stochastic", "dither")
+    assert [TailConfig(rounding=r).lowrank_target_for() for r in modes] == ["bits", "budget", "bits", "bits"]
     for explicit in ("bits", "budget"):
         assert TailConfig(rounding="nearest", lowrank_target=explicit).lowrank_target_for() == explicit
-    assert TailCompressor(TailConfig()).lowrank.target == "budget"  # type: ignore[union-attr]
+    assert TailCompressor(TailConfig()).lowrank.target == "bits"  # type: ignore[union-attr]
+    assert TailCompressor(TailConfig(rounding="nearest")).lowrank.target == "budget"  # type: ignore[union-attr]
     assert TailCompressor(TailConfig(rounding="stochastic")).lowrank.target == "bits"  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="lowrank_target must be one of"):
         TailConfig(lowrank_target="tau")

@@ -42,7 +42,7 @@ from tail_ray.compression.quantize import (  # noqa: E402
     quantize_ef,
     quantize_finite,
 )
-from tail_ray.compression.records import QuantRecord  # noqa: E402
+from tail_ray.compression.records import Kind, QuantRecord  # noqa: E402
 from tail_ray.compression.rounding import DEVICE_ROUNDINGS  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload, encode_payload  # noqa: E402
@@ -354,6 +354,18 @@ def test_dither_is_refused_on_the_device_not_sent_another_way() -> None:
 
 
 @pytest.mark.usefixtures("triton_backend")
+def test_the_default_rounds_to_nearest_on_the_device_with_nearests_budget() -> None:
+    """rounding "auto" is dither where a layer can carry it; on the Triton path it falls back
+    to nearest, with the budget nearest was measured at, and sends no dithered layer."""
+    comp = TailCompressor(TailConfig(seed=5))
+    assert comp.controller.rounding == "dither"
+    payload = comp.compress(_layers(1))
+    assert comp.controller.rounding == "nearest"
+    assert comp.controller.policy.noise_fraction == TailConfig().noise_fraction
+    assert not any(isinstance(r, QuantRecord) and r.dither_seed is not None for r in decode_payload(payload))
+
+
+@pytest.mark.usefixtures("triton_backend")
 def test_tail_payload_is_the_cpu_wire_format() -> None:
     """A payload made on the device decodes with the CPU decoder to the records sent, and the
     CPU encoder turns those levels into the very same bytes."""
@@ -401,10 +413,11 @@ def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyP
 def test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """TailConfig's rounding "auto" is nearest on both backends. Nearest has no random stream
-    and the controller's statistics are the same bits, so over several steps (residuals,
-    re-decisions) the Triton path sends the CPU path's payloads byte for byte; stochastic
-    rounding sends other bytes. Low-rank is off: it runs on host arrays only."""
+    """Nearest has no random stream and the controller's statistics are the same bits, so
+    over several steps (residuals, re-decisions) the Triton path sends the CPU path's payloads
+    byte for byte; stochastic rounding sends other bytes. TailConfig's rounding "auto" is
+    nearest on the Triton path (which has no dither) and dither on the CPU kernels, so there
+    the two backends' defaults differ. Low-rank is off: it runs on host arrays only."""
 
     def payloads(backend: str, rounding: str) -> list[bytes]:
         monkeypatch.setenv(BACKEND_ENV, backend)
@@ -415,8 +428,12 @@ def test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes(
         return [comp.compress(_layers(20 + step)) for step in range(4)]
 
     device = payloads("triton", "auto")
-    assert device == payloads("triton", "nearest") == payloads("cpu", "auto") == payloads("cpu", "nearest")
+    assert device == payloads("triton", "nearest") == payloads("cpu", "nearest")
     assert device != payloads("triton", "stochastic")
+    host_default = payloads("cpu", "auto")
+    assert host_default != device
+    kinds = {rec.kind for p in host_default for rec in decode_payload(p) if isinstance(rec, QuantRecord)}
+    assert kinds == {Kind.QUANT_DITHER}
 
 
 @pytest.mark.usefixtures("triton_backend")

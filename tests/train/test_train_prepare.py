@@ -181,7 +181,9 @@ def test_a_training_thread_that_returns_hands_its_last_records_over() -> None:
 
 
 def test_checkpoint_directory_keeps_the_controller_and_drops_residuals_on_resize(tmp_path: Path) -> None:
-    model = tt.prepare_model(nn.Linear(128, 128), "tail", {"link_aware": False}, metrics=tt.ListWriter())
+    # nearest: the quantizer keeps residuals to checkpoint (dither keeps none)
+    settings = {"link_aware": False, "rounding": "nearest"}
+    model = tt.prepare_model(nn.Linear(128, 128), "tail", settings, metrics=tt.ListWriter())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(4):
         optimizer.zero_grad()
@@ -192,7 +194,7 @@ def test_checkpoint_directory_keeps_the_controller_and_drops_residuals_on_resize
     state = tt.state_dict()
     assert state["step"] == 4 and state["hook"]["compressor"]["residuals"]
 
-    tt.prepare_model(nn.Linear(128, 128), "tail", {"link_aware": False}, metrics=tt.ListWriter())
+    tt.prepare_model(nn.Linear(128, 128), "tail", settings, metrics=tt.ListWriter())
     assert tt.load_checkpoint(tmp_path) is True  # same rank, same world size: exact
     restored = tt.state_dict()
     assert restored["step"] == 4
