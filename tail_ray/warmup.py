@@ -25,7 +25,7 @@ from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import compress_lowrank
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays
-from tail_ray.compression.quantize import mean_dequantized_into, mean_into
+from tail_ray.compression.quantize import mean_dequantized_into, mean_into, quantize_finite
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.wire import decode_payload, encode_payload
@@ -91,6 +91,10 @@ def _compressors() -> None:
     )
     decode_payload(encode_payload([record])[0])
     captured_energy_arrays(q_next.numpy())  # the chooser's trials: Gram, Jacobi, rotation
+    # Dither with a residual carried in (one left by low-rank, or a checkpoint of nearest).
+    x = rng.standard_normal(4096).astype(np.float32)
+    levels, scales = np.empty(x.size, np.int8), np.empty(8, np.float32)
+    quantize_finite(x, x * np.float32(0.5), 4, 512, 0, levels, scales, rounding="dither")
 
 
 def _means(max_world: int) -> None:

@@ -31,7 +31,14 @@ from tail_ray.compression.kernel_parts import (
     uniform,
 )
 
-__all__ = ["dither_core", "dither_error_sq", "mean_undithered_into", "sample_undithered", "undither_core"]
+__all__ = [
+    "dither_core",
+    "dither_core_ef",
+    "dither_error_sq",
+    "mean_undithered_into",
+    "sample_undithered",
+    "undither_core",
+]
 
 # Subtractive dither (rounding="dither", issue 15): t = x * L / s in two's complement (a
 # sign-magnitude level 0 would lose the sign that subtracting u needs), level = floor(t + u)
@@ -79,41 +86,45 @@ def _dither_bucket(xb, lb, tab, seed, k, m, lmax):  # type: ignore[no-untyped-de
 
 
 @njit(cache=True, nogil=True)
-def dither_core(g, e, use_e, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
-    """Dither g (or g + e, saturated, when ``use_e``: a residual left from another rounding is
-    sent once and e is emptied) into levels and scales. Returns nnz."""
-    n = g.size
-    nb = (n + bucket_size - 1) // bucket_size
-    lm = np.int32(lmax)
-    nnz = 0
+def _dither_into(xb, lb, scales, tab, seed, k, lmax):  # type: ignore[no-untyped-def]
+    """Bucket k of x: its scale into scales[k], its levels into lb. Returns nnz."""
     box = np.empty(1, np.int32)
-    fbox = box.view(np.float32)
-    for k in range(nb):
+    box[0] = absmax(xb)
+    m = box.view(np.float32)[0]
+    scales[k] = m
+    if m == 0:
+        lb[:] = 0
+        return 0
+    return _dither_bucket(xb, lb, tab, seed, k, m, lmax)
+
+
+@njit(cache=True, nogil=True)
+def dither_core(g, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+    """Dither g (read only) into levels and scales. Returns nnz."""
+    n = g.size
+    nnz = 0
+    for k in range((n + bucket_size - 1) // bucket_size):
         lo = k * bucket_size
         hi = min(n, lo + bucket_size)
-        lb = levels[lo:hi]
-        if use_e:
-            eb = e[lo:hi]
-            gb = g[lo:hi]
-            for i in range(eb.size):
-                eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
-            box[0] = absmax(eb)
-            m = fbox[0]
-            scales[k] = m
-            if m == 0:
-                lb[:] = 0
-                continue
-            nnz += _dither_bucket(eb, lb, tab, seed, k, m, lm)
-            eb[:] = 0
-        else:
-            xb = g[lo:hi]
-            box[0] = absmax(xb)
-            m = fbox[0]
-            scales[k] = m
-            if m == 0:
-                lb[:] = 0
-                continue
-            nnz += _dither_bucket(xb, lb, tab, seed, k, m, lm)
+        nnz += _dither_into(g[lo:hi], levels[lo:hi], scales, tab, seed, k, np.int32(lmax))
+    return nnz
+
+
+@njit(cache=True, nogil=True)
+def dither_core_ef(g, e, bucket_size, lmax, seed, levels, scales, tab):  # type: ignore[no-untyped-def]
+    """Dither g + e (saturated, written into e first: a residual left by another code is sent
+    once), then empty e. Returns nnz."""
+    n = g.size
+    nnz = 0
+    for k in range((n + bucket_size - 1) // bucket_size):
+        lo = k * bucket_size
+        hi = min(n, lo + bucket_size)
+        eb = e[lo:hi]
+        gb = g[lo:hi]
+        for i in range(eb.size):
+            eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
+        nnz += _dither_into(eb, levels[lo:hi], scales, tab, seed, k, np.int32(lmax))
+        eb[:] = 0
     return nnz
 
 

@@ -10,6 +10,9 @@ so both sides compute the same bits: no function here is compiled with fastmath.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.resources
+
 import numpy as np
 from numba import njit
 
@@ -28,9 +31,26 @@ __all__ = [
 _U16 = 1.0 / (1 << 16)
 TABLE_SIZE = 1 << 16
 CHUNK = 1024  # elements per random table offset
-# A random permutation of 0..65535, stored twice so any window of CHUNK elements starting
-# below 65536 is contiguous; see quantize._round_bucket for how a window becomes uniforms.
-_TABLE = np.random.default_rng(0x7A11).permutation(TABLE_SIZE).astype(np.uint16)
+# A random permutation of 0..65535 (numpy's default_rng(0x7A11).permutation, made once and
+# shipped as package data: the receiver of a dithered layer must draw the sender's very
+# uniforms, and numpy does not promise a Generator's stream across its versions), stored
+# twice so any window of CHUNK elements starting below 65536 is contiguous; see
+# quantize._round_bucket for how a window becomes uniforms.
+_TABLE_FILE = "uniform_table.u16"
+_TABLE_SHA256 = "8feef5d94da028aea06a66a954e93a70867a677cb408aeb89428ffbc79ace9b1"
+
+
+def _load_table() -> np.ndarray:
+    raw = (importlib.resources.files("tail_ray.compression") / _TABLE_FILE).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != _TABLE_SHA256:
+        raise RuntimeError(
+            f"tail_ray/compression/{_TABLE_FILE} is not the table every rank draws its uniforms "
+            "from (checksum mismatch): reinstall tail-ray"
+        )
+    return np.frombuffer(raw, dtype="<u2").astype(np.uint16)
+
+
+_TABLE = _load_table()
 UNIFORM_TABLE = np.concatenate([_TABLE, _TABLE])
 # The splitmix64 increment: a chunk's hash state is the previous one plus this.
 GOLDEN = 0x9E3779B97F4A7C15

@@ -45,7 +45,7 @@ import zlib
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.dither import dither_core, undither_core
+from tail_ray.compression.dither import dither_core, dither_core_ef, undither_core
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total, sum_squares
 from tail_ray.compression.grid import (
     F32_MAX,
@@ -243,16 +243,16 @@ def quantize_finite(
     feedback. g MUST be finite (the residual always is: the kernel keeps it so).
     ``rounding``: "stochastic" (unbiased, uses ``seed``), "nearest" (halves away from zero,
     biased per call, ``seed`` unused; error feedback carries the bias to the next call) or
-    "dither" (subtractive dither from ``seed``, which the receiver needs: ``dequantize``'s
-    ``dither_seed``; no error feedback: a residual is added in once and emptied, and the
-    error returned is 0.0).
+    "dither" (subtractive dither from ``seed`` & 0xFFFFFFFF, which the receiver needs:
+    ``dequantize``'s ``dither_seed``; no error feedback: a residual is added in once and
+    emptied, and the error returned is 0.0).
     """
     lmax, inv_l = levels_max(bits), inverse_levels_max(bits)
     if is_dither(rounding):
-        use_e = residual is not None
-        e = residual if residual is not None else g
-        nnz = dither_core(g, e, use_e, bucket_size, lmax, seed, levels, scales, UNIFORM_TABLE)
-        return int(nnz), 0.0
+        u32 = seed & 0xFFFFFFFF  # the wire's seed: every decoder draws from the same 32 bits
+        if residual is None:
+            return int(dither_core(g, bucket_size, lmax, u32, levels, scales, UNIFORM_TABLE)), 0.0
+        return int(dither_core_ef(g, residual, bucket_size, lmax, u32, levels, scales, UNIFORM_TABLE)), 0.0
     near = is_nearest(rounding)
     if residual is None:
         nnz = _quantize_core(g, bucket_size, lmax, inv_l, seed, levels, scales, UNIFORM_TABLE, near)
@@ -290,7 +290,8 @@ def quantize_ef(
     *,
     rounding: str = "stochastic",
 ) -> tuple[int, float]:
-    """Quantize g + residual, writing the new residual (g + residual - decoded) in place.
+    """Quantize g + residual, writing the new residual (g + residual - decoded) in place (under
+    rounding "dither": sent once, and the residual emptied).
 
     Returns (nnz, sum of squares of g). When g holds NaN/Inf, returns (-1, nan) and writes
     nothing: neither levels nor the residual are touched.

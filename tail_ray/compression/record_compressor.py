@@ -332,7 +332,9 @@ class RecordCompressor(Compressor):
             self.feedback.reset(name)
         elif self.feedback is not None:
             self.feedback.measured(name, err_sq)
-        record = QuantRecord(name, bits, bucket_size, scales, levels, dither_seed=seed if dither else None)
+        record = QuantRecord(
+            name, bits, bucket_size, scales, levels, dither_seed=seed & 0xFFFFFFFF if dither else None
+        )
         return record, int(nnz)
 
     # --- receiving ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 
 from tail_ray.bitwidth.lowrank_agree import RankAgreement
 from tail_ray.bitwidth.lowrank_choice import LowRankChooser
-from tail_ray.bitwidth.plan import BitController
+from tail_ray.bitwidth.plan import BitController, LayerPlan
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.dither import dither_error_sq
@@ -282,9 +282,9 @@ class TailCompressor(RecordCompressor):
             lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
             if lowrank is not None:
                 return lowrank
-        seed = layer_seed(self._seed, step, name)
         if dither:
-            return self._dither_layer(name, g, sum_sq + e_sq, plan.bits, plan.bucket_size, seed, step)
+            return self._dither_layer(name, g, (sum_sq, e_sq), plan, step)
+        seed = layer_seed(self._seed, step, name)
         # Compression's part of this worker's decoded gradient, per element: the residual carried in
         # plus the rounding noise nu ||g + e||^2 (cross term ~0) of the plan's bucket and bits.
         self._compression_sq[name] = (e_sq + plan.rel_error * (sum_sq + e_sq)) / g.size
@@ -295,16 +295,20 @@ class TailCompressor(RecordCompressor):
         return CompressedLayer(self._with_want(record), plan.rel_error, nnz)
 
     def _dither_layer(
-        self, name: str, g: LayerArray, x_sq: float, bits: int, bucket_size: int, seed: int, step: int
+        self, name: str, g: LayerArray, sums_sq: tuple[float, float], plan: LayerPlan, step: int
     ) -> CompressedLayer:
         """g (plus any residual left, sent once) dithered at the plan's bits, or the largest
-        candidate in the layer's first steps; its error is known exactly from the scales."""
-        if step < DITHER_START_STEPS:
-            bits = max(self.config.candidate_bits)
-        record, nnz = self.quantize_layer(name, g, bits, bucket_size, seed, "dither")
-        err_sq = dither_error_sq(record.scales, bits, bucket_size, record.numel)
-        # Compression's part of the decoded gradient: the dither noise alone (no residual).
-        self._compression_sq[name] = err_sq / record.numel
+        candidate in the layer's first steps; its error is known exactly from the scales.
+        ``sums_sq``: ||g||^2 and the ||e||^2 of the residual carried in."""
+        g_sq, e_sq = sums_sq
+        bits = max(self.config.candidate_bits) if step < DITHER_START_STEPS else plan.bits
+        seed = layer_seed(self._seed, step, name)
+        record, nnz = self.quantize_layer(name, g, bits, plan.bucket_size, seed, "dither")
+        err_sq = dither_error_sq(record.scales, bits, plan.bucket_size, record.numel)
+        # Compression's part of the decoded gradient: the residual sent with it (if any) and
+        # the dither noise (cross term ~0), as the nearest path counts it.
+        self._compression_sq[name] = (e_sq + err_sq) / record.numel
+        x_sq = g_sq + e_sq
         return CompressedLayer(self._with_want(record), err_sq / x_sq if x_sq > 0 else 0.0, nnz)
 
     def _with_want(self, record: QuantRecord) -> QuantRecord:

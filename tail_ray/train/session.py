@@ -60,13 +60,18 @@ SESSION_STATE_VERSION = 1
 def compression_settings(
     method: str, config: Mapping[str, Any] | None, *, seed: int, rank: int
 ) -> dict[str, Any]:
-    """The method's settings, with a stochastic-rounding seed derived from (seed, rank) unless
-    the user set one: different on every worker (their rounding noise must be independent),
-    the same across runs, so a run can be reproduced and replayed exactly from a checkpoint.
-    Only methods whose settings take a ``seed`` get one (``MethodSpec.seeded``: tail, qsgd)."""
+    """The method's settings, with a rounding seed derived from (seed, rank): different on
+    every worker (their rounding noise must be independent: averaging it down is what the
+    budget counts on), the same across runs, so a run can be reproduced and replayed exactly
+    from a checkpoint. A seed the user set is rank 0's, and the other ranks derive theirs from
+    it (one seed on every rank would send every rank the same dither). Only methods whose
+    settings take a ``seed`` get one (``MethodSpec.seeded``: tail, qsgd)."""
     settings = dict(config or {})
-    if method_spec(method).seeded and "seed" not in settings:
-        settings["seed"] = (seed * 1_000_003 + rank * 7919 + 17) & 0xFFFF_FFFF
+    if method_spec(method).seeded:
+        if "seed" not in settings:
+            settings["seed"] = (seed * 1_000_003 + rank * 7919 + 17) & 0xFFFF_FFFF
+        elif rank and settings["seed"] is not None:
+            settings["seed"] = (int(settings["seed"]) * 1_000_003 + rank * 7919 + 17) & 0xFFFF_FFFF
     return settings
 
 

@@ -14,6 +14,7 @@ import torch
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.aggregate import mean_records_into, mean_tensors_into
 from tail_ray.compression.dither import dither_error_sq
+from tail_ray.compression.kernel_parts import UNIFORM_TABLE
 from tail_ray.compression.quantize import dequantize, n_buckets, quantize, quantize_finite
 from tail_ray.compression.record_tensors import record_to_flat, sample_flat, sample_stack
 from tail_ray.compression.records import Kind, QuantRecord, slice_record
@@ -221,3 +222,23 @@ def test_cuda_gradients_are_refused_not_sent_another_way():
     check_device_rounding("nearest")
     with pytest.raises(ConfigError, match="dither_noise_fraction"):
         TailConfig(rounding="dither", dither_noise_fraction=0.0)
+
+
+def test_the_seed_is_the_wires_32_bits_and_the_input_may_be_read_only():
+    x = _gradient(3000, seed=11)
+    frozen = np.frombuffer(x.tobytes(), dtype=np.float32)  # read-only, as a received buffer is
+    assert not frozen.flags.writeable
+    rec = _dither(frozen, 4, seed=(1 << 32) + 7)  # only the low 32 bits are the seed
+    same = _dither(x, 4, seed=7)
+    assert np.array_equal(rec.levels, same.levels)
+    decoded = dequantize(rec.levels, rec.scales, 4, BUCKET, dither_seed=7)
+    assert np.array_equal(decoded, dequantize(rec.levels, rec.scales, 4, BUCKET, dither_seed=(1 << 32) + 7))
+
+
+def test_every_rank_reads_the_same_shipped_table_of_uniforms():
+    # The receiver of a dithered layer draws the sender's uniforms from this table, so it is
+    # shipped (not drawn from numpy's generator, whose stream may change between versions).
+    half = UNIFORM_TABLE.size // 2
+    assert UNIFORM_TABLE.dtype == np.uint16 and half == 1 << 16
+    assert np.array_equal(np.sort(UNIFORM_TABLE[:half]), np.arange(half))
+    assert np.array_equal(UNIFORM_TABLE[:half], UNIFORM_TABLE[half:])

@@ -343,6 +343,11 @@ def test_dither_is_refused_on_the_device_not_sent_another_way() -> None:
     """The Triton kernels have no dither (its decoder needs the uniform table on the device):
     Tail with rounding "dither" on a device gradient raises a ConfigError that says what to set,
     and so do the kernel entry points, instead of quietly rounding some other way."""
+    from tail_ray.collective.register import make_hook_state
+
+    with pytest.raises(ConfigError, match="CPU kernels only"):  # when the hook is made
+        make_hook_state(torch.nn.Linear(64, 64).to(DEV), "tail", {"rounding": "dither"})
+    make_hook_state(torch.nn.Linear(64, 64).to(DEV), "tail", {"rounding": "auto"})
     comp = TailCompressor(TailConfig(seed=5, rounding="dither"))
     with pytest.raises(ConfigError, match="CPU kernels only"):
         comp.compress(_layers(1))

@@ -51,6 +51,9 @@ def test_seed_is_per_worker_reproducible_and_the_users_wins() -> None:
     assert a0 != compression_settings("tail", {}, seed=1, rank=1)
     assert a0 == compression_settings("tail", {}, seed=1, rank=0)
     assert compression_settings("qsgd", {"seed": 5, "bits": 4}, seed=1, rank=0) == {"seed": 5, "bits": 4}
+    # A seed the user set is rank 0's; the others derive their own from it (independent noise).
+    ranks = [compression_settings("tail", {"seed": 5}, seed=1, rank=r)["seed"] for r in range(3)]
+    assert ranks[0] == 5 and len(set(ranks)) == 3
     assert compression_settings("none", None, seed=1, rank=0) == {}
 
 
