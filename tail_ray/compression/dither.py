@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, bucket_steps, n_buckets
+from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, bucket_steps, rank_steps
 from tail_ray.compression.kernel_parts import (
     CHUNK,
     GOLDEN,
@@ -224,11 +224,7 @@ def mean_undithered_into(
     """``mean_dequantized_into`` for ranks that all sent the layer dithered (``seeds``: each
     rank's dither seed): bit-identical to ``mean_into`` of their ``dequantize(...,
     dither_seed=)``, in one pass with no per-rank float32 array. Sizes checked as there."""
-    lv = tuple(np.ascontiguousarray(x, dtype=np.int8).reshape(-1) for x in levels)
-    st = tuple(bucket_steps(s, b) for s, b in zip(scales, bits, strict=True))
-    for x, s, bs in zip(lv, st, bucket_sizes, strict=True):
-        if x.size != out.size or bs < 1 or s.size != n_buckets(out.size, bs):
-            raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {out.size} elements")
+    lv, st = rank_steps(levels, scales, bits, bucket_sizes, out.size)
     seed_arr = np.asarray([int(x) & 0xFFFFFFFF for x in seeds], dtype=np.int64)
     if seed_arr.size != len(lv):
         raise ValueError(f"{seed_arr.size} seeds for {len(lv)} ranks")

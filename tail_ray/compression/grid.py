@@ -64,6 +64,24 @@ def bucket_steps(scales: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(scales, dtype=np.float32).reshape(-1) * inverse_levels_max(bits)
 
 
+def rank_steps(
+    levels: Sequence[np.ndarray],
+    scales: Sequence[np.ndarray],
+    bits: Sequence[int],
+    bucket_sizes: Sequence[int],
+    numel: int,
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Every rank's flat int8 levels and bucket steps for a fused rank mean of ``numel``
+    elements, checked (the kernels do no bounds checks): each rank's levels must have ``numel``
+    elements and one scale per bucket; a ValueError otherwise."""
+    lv = tuple(np.ascontiguousarray(x, dtype=np.int8).reshape(-1) for x in levels)
+    st = tuple(bucket_steps(s, b) for s, b in zip(scales, bits, strict=True))
+    for x, s, bs in zip(lv, st, bucket_sizes, strict=True):
+        if x.size != numel or bs < 1 or s.size != n_buckets(numel, bs):
+            raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {numel} elements")
+    return lv, st
+
+
 def dequantize_reference(levels: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int) -> np.ndarray:
     """``float32(level) * step`` per element, in plain numpy (one IEEE multiply per element,
     whatever SIMD path numpy takes): the values every dequantizing kernel must reproduce."""

@@ -55,6 +55,7 @@ from tail_ray.compression.grid import (
     inverse_levels_max,
     levels_max,
     n_buckets,
+    rank_steps,
 )
 from tail_ray.compression.kernel_parts import (
     CHUNK,
@@ -387,11 +388,7 @@ def mean_dequantized_into(
     Sizes are checked here (the kernel does no bounds checks): every ``levels_r`` must have
     ``out.size`` elements and ``scales_r`` one scale per bucket; a ValueError otherwise.
     """
-    lv = tuple(np.ascontiguousarray(x, dtype=np.int8).reshape(-1) for x in levels)
-    st = tuple(bucket_steps(s, b) for s, b in zip(scales, bits, strict=True))
-    for x, s, bs in zip(lv, st, bucket_sizes, strict=True):
-        if x.size != out.size or bs < 1 or s.size != n_buckets(out.size, bs):
-            raise ValueError(f"{x.size} levels / {s.size} scales of bucket {bs} for {out.size} elements")
+    lv, st = rank_steps(levels, scales, bits, bucket_sizes, out.size)
     _mean_dequantized_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), out)
 
 
