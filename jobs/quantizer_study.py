@@ -20,6 +20,9 @@ Methods (B: bits, 2..8, or "auto"):
                    (level - u + 1/2) * step, with u ~ U[0, 1) that the receivers draw too (from
                    the sender's seed): the error is uniform on +-step/2 whatever x, and unbiased
                    without error feedback, so there is none
+  dither-ef-B      dither-B with error feedback: x = g + the residual left last step, and
+                   x - decoded kept for the next one (the delivered noise is the difference of
+                   two roundings', which momentum averages away)
   adam-dither-B    dither-B on g / s, with s = sqrt of the bias-corrected EMA (beta 0.999) of the
                    decoded mean's square: Adam's own scale, the same on every rank, no traffic
   dither-auto,     the same quantizers with Tail's budget picking the bits per layer and step:
@@ -72,8 +75,9 @@ BUCKET = 512  # Tail's default bucket
 MATRIX_NUMEL = 1024  # Tail's raw_below_numel: smaller layers are not quantized
 EMA_BETA = 0.999  # Adam's beta2: the adam-dither scale's memory
 EPS = 1e-8  # Adam's eps
-PROTOTYPES = ("nearest", "dither", "adam-dither")
+PROTOTYPES = ("nearest", "dither", "dither-ef", "adam-dither")
 
+FEEDBACK = ("nearest", "dither-ef")  # prototypes that keep a residual and resend it
 Grads = dict[str, torch.Tensor]
 
 
@@ -216,7 +220,7 @@ class PrototypeExchange:
         scale = None
         if self.method.kind == "adam-dither" and name in self.ema:
             scale = (self.ema[name] / (1 - EMA_BETA**self.updates)).sqrt() + EPS
-        if self.method.kind == "nearest":
+        if self.method.kind in FEEDBACK:
             xs = [g + self.residuals[rank].get(name, torch.zeros_like(g)) for rank, g in enumerate(grads)]
         else:
             xs = [g if scale is None else g / scale for g in grads]
@@ -232,6 +236,8 @@ class PrototypeExchange:
                 self.residuals[rank][name] = x - decoded  # error feedback: resent next step
             else:
                 decoded, levels = quantize_dither(x, bits, self.gens[rank])
+                if self.method.kind == "dither-ef":
+                    self.residuals[rank][name] = x - decoded
             decoded_xs.append(decoded)
             sent += level_bytes(levels) / WORLD  # one worker's share: each sends its own
         if self.method.auto:
@@ -272,7 +278,7 @@ class PrototypeExchange:
         all-gather feeds its BudgetPolicy (TailCompressor.observe_peers)."""
         stack, n = torch.stack(decoded), float(xs[0].numel())
         spread = float((stack - stack.mean(0)).square().sum()) / (WORLD - 1) / n
-        if self.method.kind == "nearest":
+        if self.method.kind in FEEDBACK:
             errors = [float((d - g).square().sum()) for d, g in zip(decoded, grads, strict=True)]
         else:
             errors = [dither_noise_sq(x, bits) for x in xs]

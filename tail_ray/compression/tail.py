@@ -54,11 +54,6 @@ _SPREAD_SAMPLE_NUMEL = 16384
 # (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once. An
 # unstable plan (nu ~ 2 at 2 bits) crosses it within ~3-4 steps.
 _RESIDUAL_LIMIT = 8.0
-# Under rounding "dither", a layer's first this many steps go at the largest candidate bits:
-# Adam's second moment is close to a plain average over a few hundred steps, so the noise of
-# the first, largest gradients stays in it for the whole run (measured on the LM: +0.61 %
-# against +1.10 % with the budget's own bits from step 0; docs/engine.md).
-DITHER_START_STEPS = 5
 
 
 class TailCompressor(RecordCompressor):
@@ -301,7 +296,7 @@ class TailCompressor(RecordCompressor):
         candidate in the layer's first steps; its error is known exactly from the scales.
         ``sums_sq``: ||g||^2 and the ||e||^2 of the residual carried in."""
         g_sq, e_sq = sums_sq
-        bits = max(self.config.candidate_bits) if step < DITHER_START_STEPS else plan.bits
+        bits = max(self.config.candidate_bits) if step < self.config.dither_start_steps else plan.bits
         seed = layer_seed(self._seed, step, name)
         record, nnz = self.quantize_layer(name, g, bits, plan.bucket_size, seed, "dither")
         err_sq = dither_error_sq(record.scales, bits, plan.bucket_size, record.numel)

@@ -10,7 +10,7 @@ from tail_ray import ConfigError, TailCompressor, TailConfig
 from tail_ray.bitwidth.bucket_choice import MIN_GAIN, choose_bucket
 from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.records import QuantRecord
-from tail_ray.compression.tail import DITHER_START_STEPS
+from tail_ray.compression.tail_config import DITHER_START_STEPS
 from tail_ray.compression.wire import decode_payload
 
 BITS = (2, 3, 4, 5, 6, 8)

@@ -19,7 +19,8 @@ from tail_ray.compression.quantize import dequantize, n_buckets, quantize, quant
 from tail_ray.compression.record_tensors import record_to_flat, sample_flat, sample_stack
 from tail_ray.compression.records import Kind, QuantRecord, slice_record
 from tail_ray.compression.rounding import check_device_rounding
-from tail_ray.compression.tail import DITHER_START_STEPS, TailCompressor, TailConfig
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.compression.tail_config import DITHER_START_STEPS
 from tail_ray.compression.wire import decode_payload, encode_payload, seal
 from tail_ray.errors import CodecError, ConfigError
 
@@ -188,6 +189,23 @@ def test_tail_sends_dithered_layers_with_a_known_error_and_no_residual():
         bits_seen.append(w.bits)
     assert bits_seen[:DITHER_START_STEPS] == [max(TailConfig().candidate_bits)] * DITHER_START_STEPS
     assert max(bits_seen[DITHER_START_STEPS:]) < max(TailConfig().candidate_bits)
+
+
+@pytest.mark.parametrize("start_steps", [0, 2])
+def test_dither_start_steps_sets_how_many_first_steps_go_at_the_largest_bits(start_steps):
+    comp = TailCompressor(TailConfig(rounding="dither", seed=6, dither_start_steps=start_steps))
+    rng = np.random.default_rng(8)
+    bits_seen = []
+    for _ in range(start_steps + 2):
+        w = next(r for r in decode_payload(comp.compress(_grads(rng))) if r.name == "w")
+        assert isinstance(w, QuantRecord)
+        bits_seen.append(w.bits)
+    largest = max(TailConfig().candidate_bits)
+    assert bits_seen[:start_steps] == [largest] * start_steps
+    assert max(bits_seen[start_steps:]) < largest
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="dither_start_steps"):
+            TailConfig(dither_start_steps=bad)
 
 
 def test_a_restored_residual_is_sent_once_under_dither():

@@ -9,7 +9,7 @@ import torch
 from tail_ray import ConfigError, TailCompressor, TailConfig, make_compressor
 from tail_ray.compression.quantize import levels_max
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
-from tail_ray.compression.tail import DITHER_START_STEPS
+from tail_ray.compression.tail_config import DITHER_START_STEPS
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
