@@ -74,7 +74,7 @@ class BitController:
             raise ConfigError(f"bucket_choice must be one of {list(BUCKET_CHOICES)}, got {bucket_choice!r}")
         if bucket_choice == "auto" and allocation == "model":
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
-            raise ConfigError('bucket_choice "auto" needs allocation "layer"')
+            raise ConfigError('bucket_choice "auto" needs allocation "layer" (the default is "model"): set both')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
         self.policy = policy
         # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error

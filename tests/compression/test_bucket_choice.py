@@ -65,7 +65,7 @@ def test_no_pick_for_a_layer_too_small_for_a_second_bucket_or_all_zero():
 
 
 def _tail(choice: str, seed: int = 5) -> TailCompressor:
-    return TailCompressor(TailConfig(bucket_choice=choice, seed=seed, sample_numel=None))
+    return TailCompressor(TailConfig(bucket_choice=choice, allocation="layer", seed=seed, sample_numel=None))
 
 
 def test_auto_sends_fewer_bytes_at_no_more_error_and_any_instance_decodes_it():

@@ -203,17 +203,26 @@ def test_levels_are_within_bits():
             assert math.isfinite(float(rec.scales.sum()))
 
 
-def test_a_wrong_plan_whose_residual_grows_is_redecided_at_once():
+@pytest.mark.parametrize("allocation", ["layer", "model"])
+def test_a_wrong_plan_whose_residual_grows_is_redecided_at_once(allocation):
     """Pin a layer to an unstable 2-bit plan (nu ~ 2 > 1 under stochastic rounding): error
     feedback would then grow the residual without bound; the compressor notices from the
     residual and decides again."""
     comp = TailCompressor(
-        TailConfig(seed=0, warmup_steps=0, redecide_every_steps=1000, rounding="stochastic")
+        TailConfig(
+            seed=0,
+            warmup_steps=0,
+            redecide_every_steps=1000,
+            rounding="stochastic",
+            allocation=allocation,
+        )
     )
     g = _grads(0)
     comp.compress(g)
     plan = comp.controller.plans["fc1.weight"]
     plan.bits = 2  # as if the sampled estimate had been badly wrong
+    if allocation == "model":  # the whole-model allocation hands out the layer's bits each step
+        comp.controller._allocated["fc1.weight"] = 2
     decisions = comp.controller.decisions
     for step in range(1, 9):
         comp.compress(_grads(step))
