@@ -104,6 +104,19 @@ def layer_seed(base_seed: int, step: int, name: str) -> int:
     return h & 0xFFFFFFFF
 
 
+def slice_seed(layer_seed_u32: int, start: int) -> int:
+    """The 32-bit dither seed of a layer's slice that starts at element ``start`` (a sharded
+    exchange's): each slice's uniforms are then keyed from its own first bucket, so its owner
+    decodes it as a whole record, and no two slices of a layer share a stream."""
+    h = ((layer_seed_u32 & 0xFFFFFFFF) * 0x9E3779B97F4A7C15 + (start + 1) * 0xD1B54A32D192ED03) & (
+        (1 << 64) - 1
+    )
+    h ^= h >> 29
+    h = (h * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    h ^= h >> 32
+    return h & 0xFFFFFFFF
+
+
 @njit(cache=True, nogil=True)
 def _round_chunk(xb, lb, ub, rot, pre, inv, step, lmax, write_e):  # type: ignore[no-untyped-def]
     """Stochastically round xb into levels lb with uniforms from table window ub, rotated by rot.

@@ -47,7 +47,12 @@ class QuantRecord:
     ``dither_seed`` (a u32) when the levels were made by subtractive dither (rounding "dither"):
     the decoded value then subtracts the sender's uniforms, drawn from that seed
     (``quantize.dequantize``). None: the plain grid value. Every decoder of a QuantRecord must
-    pass it on; the wire sends such a layer as kind QUANT_DITHER."""
+    pass it on; the wire sends such a layer as kind QUANT_DITHER.
+
+    ``slice_seeds`` (sender side only, never on the wire): a layer dithered in slices for a
+    sharded exchange, each slice from its own seed and keyed from its own first bucket, as
+    ((start, seed), ...) in element order. Only its slices (``slice_record`` at those
+    starts) decode; the whole record does not, and the wire refuses it."""
 
     name: str
     bits: int
@@ -56,6 +61,7 @@ class QuantRecord:
     levels: np.ndarray
     want: int = 0  # the rank the sender's low-rank chooser wants for the layer
     dither_seed: int | None = None
+    slice_seeds: tuple[tuple[int, int], ...] | None = None
 
     @property
     def kind(self) -> Kind:
@@ -125,6 +131,32 @@ class LowRankRecord:
 LayerRecord = QuantRecord | RawRecord | SparseRecord | LowRankRecord
 
 
+def _dithered_slice(rec: QuantRecord, start: int, stop: int) -> QuantRecord:
+    """Elements [start, stop) of a layer dithered in slices (``slice_seeds``): exactly one of
+    its slices, as a whole dithered record of its own seed. A layer dithered whole has no
+    element slices: its uniforms are keyed by bucket from the layer's start."""
+    cuts = dict(rec.slice_seeds or ())
+    starts = sorted(cuts)
+    if start not in cuts:
+        raise ValueError(
+            f"layer {rec.name!r} is dithered {'whole' if not cuts else f'in slices at {starts}'}:"
+            f" no slice starts at {start}"
+        )
+    i = starts.index(start)
+    end = starts[i + 1] if i + 1 < len(starts) else rec.numel
+    if stop != end:
+        raise ValueError(f"layer {rec.name!r} is dithered in slices: [{start}, {end}), not [{start}, {stop})")
+    first = start // rec.bucket_size
+    n_buckets = -(-(stop - start) // rec.bucket_size)
+    return replace(
+        rec,
+        levels=rec.levels.reshape(-1)[start:stop],
+        scales=rec.scales[first : first + n_buckets],
+        dither_seed=cuts[start],
+        slice_seeds=None,
+    )
+
+
 def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
     """Elements [start, stop) of a record, as a record of the same kind under the same name
     (views, no copies): what a sharded collective sends one slice's owner. A quantized record
@@ -132,14 +164,12 @@ def slice_record(rec: LayerRecord, start: int, stop: int) -> LayerRecord:
     scales are then exactly what the whole record holds there."""
     if not 0 <= start <= stop <= rec.numel:
         raise ValueError(f"slice [{start}, {stop}) outside layer {rec.name!r} of {rec.numel} elements")
-    if start == 0 and stop == rec.numel:
+    if start == 0 and stop == rec.numel and not (isinstance(rec, QuantRecord) and rec.slice_seeds):
         return rec
     match rec:
         case QuantRecord():
             if rec.dither_seed is not None:
-                # Its uniforms are keyed by bucket index from the layer's start; the sharded
-                # exchanges round to nearest instead (TailCompressor.compress_shards).
-                raise ValueError(f"layer {rec.name!r} is dithered: it cannot be sent in slices")
+                return _dithered_slice(rec, start, stop)
             if start % rec.bucket_size:
                 raise ValueError(
                     f"slice of layer {rec.name!r} starts at {start}, inside a bucket of {rec.bucket_size}"

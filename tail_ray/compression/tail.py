@@ -88,6 +88,7 @@ class TailCompressor(RecordCompressor):
         # Budgets of the second stages made from this compressor (second_stage): they are told
         # the SGD noise of the MEAN, measured here on the shard this rank owns.
         self._mean_budgets: list[BudgetPolicy] = []
+        self._slice_starts: dict[str, list[int]] = {}  # compress_shards: each layer's slice starts
         # What observe_peers measured since the last compress (spread, compression, grad_sq,
         # numel per layer): reported to the ranks that did not see those payloads.
         self._measured: dict[str, tuple[float, float, float, float]] = {}
@@ -142,14 +143,22 @@ class TailCompressor(RecordCompressor):
         own_shard: int | None = None,
     ) -> list[bytes]:
         self.lowrank, self.controller.bucket_choice = None, "fixed"  # slices: quantized, at one bucket
-        self._undither()
-        return super().compress_shards(grads, shards, own_shard=own_shard)
+        # A dithered layer is dithered slice by slice, each slice from its own seed, so that its
+        # owner decodes it alone (record_compressor.quantize_layer's cuts).
+        cuts: dict[str, set[int]] = {}
+        for shard in shards:
+            for name, part in shard.items():
+                cuts.setdefault(name, {0}).add(part.indices(grads[name].numel())[0])
+        self._slice_starts = {name: sorted(starts) for name, starts in cuts.items()}
+        try:
+            return super().compress_shards(grads, shards, own_shard=own_shard)
+        finally:
+            self._slice_starts = {}
 
-    def _undither(self, why: str = "the sharded exchange sends slices") -> None:
+    def _undither(self, why: str) -> None:
         """Round to nearest, with its own budget, instead of dither, where a layer cannot carry
-        dither: the sharded exchanges and their second stages send slices (a dithered layer's
-        uniforms are keyed by bucket from the layer's start), and the Triton kernels have no
-        dither (under rounding "auto" only; an explicit "dither" there is a ConfigError)."""
+        dither: the Triton kernels have no dither (under rounding "auto" only; an explicit
+        "dither" there is a ConfigError)."""
         if self.controller.rounding != "dither":
             return
         level = logging.INFO if self.config.rounding == "auto" else logging.WARNING
@@ -298,7 +307,8 @@ class TailCompressor(RecordCompressor):
         g_sq, e_sq = sums_sq
         bits = max(self.config.candidate_bits) if step < self.config.dither_start_steps else plan.bits
         seed = layer_seed(self._seed, step, name)
-        record, nnz = self.quantize_layer(name, g, bits, plan.bucket_size, seed, "dither")
+        cuts = self._slice_starts.get(name)
+        record, nnz = self.quantize_layer(name, g, bits, plan.bucket_size, seed, "dither", cuts=cuts)
         err_sq = dither_error_sq(record.scales, bits, plan.bucket_size, record.numel)
         # Compression's part of the decoded gradient: the residual sent with it (if any) and
         # the dither noise (cross term ~0), as the nearest path counts it.
@@ -319,8 +329,6 @@ class TailCompressor(RecordCompressor):
         stage = self.spawn()
         assert isinstance(stage, TailCompressor)
         stage.lowrank, stage.controller.bucket_choice = None, "fixed"  # it re-compresses slices
-        self._undither()  # only the sharded exchanges make a second stage: both send slices
-        stage._undither()
         self._mean_budgets.append(stage.controller.policy)
         stage.set_linear_optimizer(self.controller.policy.linear)
         return stage

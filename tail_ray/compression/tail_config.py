@@ -85,8 +85,9 @@ class TailConfig:
         or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
         padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
         (docs/engine.md, "Agreed low-rank choice").
-    rounding: "auto" (the default: "dither" on the CPU kernels, "nearest" where a layer
-        cannot carry dither: the Triton path and the sharded exchanges' slices), "dither"
+    rounding: "auto" (the default: "dither" on the CPU kernels, also in the sharded
+        exchanges, slice by slice; "nearest" where a layer cannot carry dither: the Triton
+        path), "dither"
         (CPU kernels only: subtractive dither, an unbiased error of exactly step^2 / 12 per
         element that no error feedback carries; the payload carries a 4-byte seed per layer),
         "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at the

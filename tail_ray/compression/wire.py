@@ -100,6 +100,10 @@ def _scales_of(rec: LayerRecord) -> np.ndarray:
         )
     if not isinstance(rec, QuantRecord):
         return np.zeros(0, dtype="<f4")
+    if rec.slice_seeds is not None:  # each slice has its own uniforms: no one seed decodes it
+        raise CodecError(
+            "a layer dithered in slices is sent as its slices", layer=rec.name, field="dither_seed"
+        )
     if rec.dither_seed is not None and not 0 <= rec.dither_seed <= 0xFFFFFFFF:
         raise CodecError(f"dither_seed {rec.dither_seed} is not a u32", layer=rec.name, field="dither_seed")
     if not 1 <= rec.bucket_size <= MAX_BUCKET_SIZE:

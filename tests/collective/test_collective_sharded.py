@@ -97,7 +97,15 @@ def _tail(rank: int, world_size: int, out_dir, collective: str) -> None:
 
 def _conservation(rank: int, world_size: int, out_dir, collective: str) -> None:
     ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
-    config = {"collective": collective, "shard_min_numel": MIN_SLICE, "link_aware": False, "seed": 5 + rank}
+    # Nearest rounding: the promise tested is error feedback's (dither, the default, keeps no
+    # residual: it is unbiased instead, test_dither.py).
+    config = {
+        "collective": collective,
+        "shard_min_numel": MIN_SLICE,
+        "link_aware": False,
+        "seed": 5 + rank,
+        "rounding": "nearest",
+    }
     layout = _layout(rank, world_size) if collective == "hierarchical" else None
     state = make_hook_state(ddp, "tail", config, layout=layout)
     sent_sum: dict[str, torch.Tensor] = {}

@@ -15,7 +15,7 @@ from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.compression.aggregate import mean_records_into, mean_tensors_into
 from tail_ray.compression.dither import dither_error_sq
 from tail_ray.compression.kernel_parts import UNIFORM_TABLE
-from tail_ray.compression.quantize import dequantize, n_buckets, quantize, quantize_finite
+from tail_ray.compression.quantize import dequantize, levels_max, n_buckets, quantize, quantize_finite
 from tail_ray.compression.record_tensors import record_to_flat, sample_flat, sample_stack
 from tail_ray.compression.records import Kind, QuantRecord, slice_record
 from tail_ray.compression.rounding import check_device_rounding
@@ -159,7 +159,7 @@ def test_every_decoder_subtracts_the_uniforms(buckets):
     x64 = x[tail].astype(np.float64)
     err = float(np.mean((into_records["w"].numpy()[tail] - (x64 + 1e-3 * (len(buckets) - 1) / 2)) ** 2))
     assert err < 0.75 * float(np.mean((flats[0].numpy()[tail].astype(np.float64) - x64) ** 2))
-    with pytest.raises(ValueError, match="dithered"):
+    with pytest.raises(ValueError, match="dithered whole"):
         slice_record(recs[0], buckets[0], 2 * buckets[0])
 
 
@@ -223,15 +223,51 @@ def test_a_restored_residual_is_sent_once_under_dither():
     assert "w" not in comp.feedback
 
 
-def test_the_sharded_exchange_rounds_to_nearest_with_its_budget():
-    comp = TailCompressor(TailConfig(rounding="dither", seed=2))
+def test_the_sharded_exchange_dithers_each_slice_from_its_own_seed():
+    """compress_shards sends a dithered layer slice by slice: each slice decodes alone (its
+    owner holds only it), with dither's unbiased error, and the budget stays dither's."""
+    cut = 20_480  # 40 buckets of 512
+    shards = [{"w": slice(0, cut), "b": slice(0, 64)}, {"w": slice(cut, 40_000)}]
     rng = np.random.default_rng(10)
-    payloads = comp.compress_shards(_grads(rng), [{"w": slice(0, 20_480)}, {"w": slice(20_480, 40_000)}])
-    for payload in payloads:
-        for rec in decode_payload(payload):
-            assert not isinstance(rec, QuantRecord) or rec.dither_seed is None
-    assert comp.controller.rounding == "nearest"
-    assert comp.controller.policy.noise_fraction == TailConfig().noise_fraction
+    comps = [TailCompressor(TailConfig(seed=2 + r, dither_start_steps=0)) for r in range(2)]
+    for _ in range(2):  # the second step's bits are the budget's own
+        grads = [_grads(rng) for _ in comps]
+        sent = [
+            comp.compress_shards(g, shards, own_shard=r)
+            for r, (comp, g) in enumerate(zip(comps, grads, strict=True))
+        ]
+    for comp in comps:
+        assert comp.controller.rounding == "dither"
+        assert comp.controller.policy.noise_fraction == TailConfig().dither_noise_fraction
+    w = grads[0]["w"].numpy()
+    parts = []
+    for k, (lo, hi) in enumerate([(0, cut), (cut, 40_000)]):
+        recs = [next(r for r in decode_payload(p[k]) if r.name == "w") for p in sent]
+        assert all(isinstance(r, QuantRecord) and r.numel == hi - lo for r in recs)
+        assert len({r.dither_seed for r in recs}) == 2  # independent noise per rank
+        decoded = record_to_flat(recs[0]).numpy()
+        err = decoded.astype(np.float64) - w[lo:hi]
+        step = np.repeat(recs[0].scales / levels_max(recs[0].bits), BUCKET)[: hi - lo].astype(np.float64)
+        assert np.all(np.abs(err) <= step / 2 * (1 + 1e-5) + 1e-30)  # within half a step: its own uniforms
+        assert abs(float(np.mean(err / np.where(step > 0, step, 1)))) < 0.02  # unbiased
+        # The owner's fused mean of every rank's slice is the mean of their decodes.
+        into = {"w": torch.empty(hi - lo)}
+        mean_records_into([{"w": r} for r in recs], into)
+        assert torch.equal(into["w"], torch.stack([record_to_flat(r) for r in recs]).mean(0))
+        parts.append(recs[0].dither_seed)
+    assert parts[0] != parts[1]  # two slices of one layer: two streams
+    # The whole layer of slices is never sent whole, nor cut elsewhere.
+    comp = TailCompressor(TailConfig(seed=9))
+    comp._slice_starts = {"w": [0, cut]}
+    whole = next(c.record for c in comp.compress_records(_grads(rng)) if c.record.name == "w")
+    assert isinstance(whole, QuantRecord) and whole.slice_seeds is not None
+    with pytest.raises(CodecError, match="sent as its slices"):
+        encode_payload([whole])
+    with pytest.raises(ValueError, match="in slices at"):
+        slice_record(whole, 512, cut)
+    with pytest.raises(ValueError, match="in slices"):
+        slice_record(whole, 0, 40_000)
+    assert slice_record(whole, cut, 40_000).dither_seed == dict(whole.slice_seeds)[cut]
 
 
 def test_cuda_gradients_are_refused_not_sent_another_way():
