@@ -74,7 +74,7 @@ class BitController:
             raise ConfigError(f"bucket_choice must be one of {list(BUCKET_CHOICES)}, got {bucket_choice!r}")
         if bucket_choice == "auto" and allocation == "model":
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
-            raise ConfigError('bucket_choice "auto" needs allocation "layer" (the default is "model"): set both')
+            raise ConfigError('bucket_choice "auto" needs allocation "layer" or "auto", not "model"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
         self.policy = policy
         # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error
@@ -195,6 +195,19 @@ class BitController:
             plan = replace(plan, bits=bits, rel_error=self.curves[name].nu[self.candidate_bits.index(bits)])
             self.plans[name] = plan
         return plan
+
+    def set_allocation(self, allocation: str) -> None:
+        """Switch the allocation (a layer that cannot carry the rounding it was set up for
+        falls back, and with it the allocation measured for that rounding): every layer
+        decides afresh under the new one."""
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if allocation == self.allocation:
+            return
+        self.allocation = allocation
+        self.plans.clear()
+        self.curves.clear()
+        self._allocated, self._allocated_step, self._dirty = {}, -1, False
 
     def invalidate(self, name: str) -> None:
         """Forget the layer's plan: the next ``plan`` call decides afresh."""

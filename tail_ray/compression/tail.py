@@ -74,7 +74,7 @@ class TailCompressor(RecordCompressor):
             redecide_every_steps=self.config.redecide_every_steps,
             norm_drift=self.config.norm_drift,
             seed=self._seed,
-            allocation=self.config.allocation,
+            allocation=self.config.allocation_for(),
             layer_cap=self.config.layer_cap,
             tau_max=self.config.tau_max,
             rounding=self.config.rounding,
@@ -165,6 +165,7 @@ class TailCompressor(RecordCompressor):
         log.log(level, "rounding to nearest instead of dither: %s", why)
         self.controller.rounding = "nearest"
         self.controller.policy.s = self.config.budget_settings(dither=False)
+        self.controller.set_allocation(self.config.allocation_for("nearest"))
 
     def _lowrank_layer(
         self, name: str, g: LayerArray, sum_sq: float, nu_quant: float, step: int

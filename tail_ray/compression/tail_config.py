@@ -13,6 +13,9 @@ from tail_ray.bitwidth.policy import BudgetSettings
 from tail_ray.compression.rounding import ROUNDING_MODES, kernel_rounding
 from tail_ray.errors import ConfigError
 
+# TailConfig.allocation: "auto" resolves to one of plan.ALLOCATIONS (TailConfig.allocation_for).
+ALLOCATION_SETTINGS = ("auto", *ALLOCATIONS)
+
 # Under rounding "dither", a layer's first this many steps go at the largest candidate bits:
 # Adam's second moment is close to a plain average over a few hundred steps, so the noise of
 # the first, largest gradients stays in it for the whole run (measured on the LM: +0.61 %
@@ -57,11 +60,16 @@ class TailConfig:
     tau_min / tau_max: clamp on tau; tau_max < 1 because error feedback diverges at nu >= 1.
     warmup_steps, critical_factor, critical_steps, lr_drop_ratio, norm_jump: the critical
         phases in which tau is multiplied by ``critical_factor`` (see bitwidth/policy.py).
-    allocation: "model" (the default: one budget over the whole model, the numel-weighted
+    allocation: "auto" (the default: "model" where the layers are dithered, "layer" where
+        they round to nearest or stochastically, or pick their bucket per layer;
+        ``allocation_for``), "model" (one budget over the whole model, the numel-weighted
         mean of nu / tau stays <= 1 at the fewest bytes; see bitwidth/allocate.py) or "layer"
-        (each layer the smallest b with nu_b <= its tau). "model" by default since issue 15:
-        with dither, LM 15.4x (every seed 15.0-16.0x) against 14.5x at a paired +0.12 points
-        (s.e. 0.17), digits within 0.28 points of none on every seed (docs/engine.md).
+        (each layer the smallest b with nu_b <= its tau). One budget over the model with
+        dither, since issue 15: LM 15.4x (every seed 15.0-16.0x) against 14.5x at a paired
+        +0.12 points (s.e. 0.17), digits within 0.28 points of none on every seed. With
+        nearest rounding it was no better on the LM (paired +0.40 points, s.e. 0.48; 8 of 10
+        seeds over 1 %), and with stochastic rounding worse on every seed, so those keep the
+        per-layer rule: the Triton path, which rounds to nearest, too (docs/engine.md).
     layer_cap: with allocation "model", no layer's nu may exceed layer_cap x its own tau.
     error_feedback: keep per-layer residuals (off only for ablations).
     lowrank: "auto" (the default) or "off" (every large layer quantized): under "auto",
@@ -123,7 +131,7 @@ class TailConfig:
     critical_steps: int = 50
     lr_drop_ratio: float = 0.8
     norm_jump: float = 2.0
-    allocation: str = "model"
+    allocation: str = "auto"
     layer_cap: float = 2.0
     error_feedback: bool = True
     lowrank: str = "auto"
@@ -186,8 +194,10 @@ class TailConfig:
             raise ConfigError(f"lr_drop_ratio must be in (0, 1), got {self.lr_drop_ratio}")
         if self.norm_jump <= 1:
             raise ConfigError(f"norm_jump must be > 1, got {self.norm_jump}")
-        if self.allocation not in ALLOCATIONS:
-            raise ConfigError(f"allocation must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
+        if self.allocation not in ALLOCATION_SETTINGS:
+            raise ConfigError(
+                f"allocation must be one of {list(ALLOCATION_SETTINGS)}, got {self.allocation!r}"
+            )
         if not (
             isinstance(self.layer_cap, int | float) and math.isfinite(self.layer_cap) and self.layer_cap >= 1
         ):
@@ -209,14 +219,22 @@ class TailConfig:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.bucket_choice == "auto" and self.allocation == "model":
             # Said here, when a job's settings are read, not when its first step compresses.
-            raise ConfigError(
-                'bucket_choice "auto" needs allocation "layer" (the default is "model"): set both'
-            )
+            raise ConfigError('bucket_choice "auto" needs allocation "layer" or "auto", not "model"')
         factor_bits = self.lowrank_bits
         if not (isinstance(factor_bits, int | float) and float(factor_bits).is_integer()):
             raise ConfigError(f"lowrank_bits must be an integer in 2..8, got {factor_bits!r}")
         object.__setattr__(self, "lowrank_bits", int(factor_bits))  # YAML / --set may give 8.0
         object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
+
+    def allocation_for(self, rounding: str | None = None) -> str:
+        """The allocation in force (plan.ALLOCATIONS): ``allocation``, with "auto" resolved by
+        the quantizer's kernel rounding (``rounding``, default the configured one's): "model"
+        under dither, "layer" otherwise and with ``bucket_choice`` "auto" (a bucket chosen per
+        layer holds that layer's own error; the allocation would move its bits after)."""
+        if self.allocation != "auto":
+            return self.allocation
+        kernel = kernel_rounding(self.rounding if rounding is None else rounding)
+        return "model" if kernel == "dither" and self.bucket_choice != "auto" else "layer"
 
     def lowrank_target_for(self) -> str:
         """The low-rank target in force: ``lowrank_target``, with "auto" resolved by the

@@ -176,6 +176,22 @@ def test_config_validation_says_what_to_fix():
     assert TailConfig(candidate_bits=(8, 2)).candidate_bits == (2, 8)
 
 
+def test_allocation_auto_is_one_budget_over_the_model_only_under_dither():
+    assert TailConfig().allocation == "auto"
+    assert TailConfig().allocation_for() == "model"
+    assert TailConfig(rounding="dither").allocation_for() == "model"
+    for rounding in ("nearest", "stochastic"):
+        assert TailConfig(rounding=rounding).allocation_for() == "layer"
+        assert TailCompressor(TailConfig(rounding=rounding)).controller.allocation == "layer"
+    assert TailConfig().allocation_for("nearest") == "layer"  # a fallback's rounding decides
+    assert TailConfig(bucket_choice="auto").allocation_for() == "layer"
+    assert TailConfig(allocation="layer").allocation_for() == "layer"
+    assert TailConfig(allocation="model", rounding="nearest").allocation_for() == "model"
+    assert TailCompressor().controller.allocation == "model"
+    with pytest.raises(ConfigError, match="needs allocation"):
+        TailConfig(bucket_choice="auto", allocation="model")
+
+
 def test_model_allocation_round_trips_and_restores_its_curves():
     """allocation="model" through the real compressor: payloads decode, bits are candidates,
     and a checkpoint carries the per-layer error curves the allocation needs."""

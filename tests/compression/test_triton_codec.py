@@ -363,10 +363,13 @@ def test_the_default_rounds_to_nearest_on_the_device_with_nearests_budget() -> N
     """rounding "auto" is dither where a layer can carry it; on the Triton path it falls back
     to nearest, with the budget nearest was measured at, and sends no dithered layer."""
     comp = TailCompressor(TailConfig(seed=5))
-    assert comp.controller.rounding == "dither"
+    assert (comp.controller.rounding, comp.controller.allocation) == ("dither", "model")
     payload = comp.compress(_layers(1))
     assert comp.controller.rounding == "nearest"
     assert comp.controller.policy.noise_fraction == TailConfig().noise_fraction
+    # The allocation goes with the rounding: one budget over the model measured no better than
+    # the per-layer rule with nearest (docs/engine.md).
+    assert comp.controller.allocation == "layer"
     assert not any(isinstance(r, QuantRecord) and r.dither_seed is not None for r in decode_payload(payload))
 
 
