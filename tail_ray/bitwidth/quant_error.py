@@ -114,10 +114,14 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, mode):
         nonzero += 1
         # As in the quantizer: L / s must not overflow (every fraction would be inf - inf = NaN).
         pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
+        # Dither's term is 1/12 whatever x: its lane sum depends on the bucket's length alone,
+        # so it is summed once per bucket, not once per candidate (the same bits: the same sum).
+        twelfths = _frac_sum(xb, pre, np.float32(1.0), frac_lanes, mode) if mode == 2 else np.float32(0.0)
         for j in range(lmaxes.size):
             lf = np.float32(lmaxes[j])
             step = np.float64(m) / np.float64(lf)
-            num[j] += step * step * np.float64(_frac_sum(xb, pre, lf / (m * pre), frac_lanes, mode))
+            fsum = twelfths if mode == 2 else _frac_sum(xb, pre, lf / (m * pre), frac_lanes, mode)
+            num[j] += step * step * np.float64(fsum)
     return lanes_total(sq_lanes), nonzero
 
 
