@@ -74,7 +74,7 @@ class BitController:
             raise ConfigError(f"bucket_choice must be one of {list(BUCKET_CHOICES)}, got {bucket_choice!r}")
         if bucket_choice == "auto" and allocation == "model":
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
-            raise ConfigError('bucket_choice "auto" needs allocation "layer" or "auto", not "model"')
+            raise ConfigError('bucket_choice "auto" needs allocation "layer", not "model"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
         self.policy = policy
         # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error
@@ -198,16 +198,25 @@ class BitController:
 
     def set_allocation(self, allocation: str) -> None:
         """Switch the allocation (a layer that cannot carry the rounding it was set up for
-        falls back, and with it the allocation measured for that rounding): every layer
-        decides afresh under the new one."""
+        falls back, and with it the allocation measured for that rounding). The plans stay:
+        a fallback happens at the first step, or at the first step after a resume, whose
+        restored plans are the new allocation's own (a checkpoint saved after the fallback);
+        a plan re-decides under the new allocation when it goes stale. The whole-model
+        allocation's state goes."""
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if allocation == self.allocation:
             return
         self.allocation = allocation
-        self.plans.clear()
         self.curves.clear()
         self._allocated, self._allocated_step, self._dirty = {}, -1, False
+
+    def fix_bucket(self) -> None:
+        """One bucket size for every layer from now on (the sharded exchanges cut layers at
+        its multiples): plans restored or decided at another bucket decide again."""
+        self.bucket_choice = "fixed"
+        for name in [n for n, p in self.plans.items() if p.bucket_size != self.bucket_size]:
+            self.invalidate(name)
 
     def invalidate(self, name: str) -> None:
         """Forget the layer's plan: the next ``plan`` call decides afresh."""

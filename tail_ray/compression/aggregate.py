@@ -32,7 +32,7 @@ from tail_ray.compression.device import uses_triton
 from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import record_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord
+from tail_ray.compression.records import LayerRecord, QuantRecord, decodable_seed
 from tail_ray.errors import CodecError
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ def _fused_mean(g: torch.Tensor, dithered: list[QuantRecord]) -> None:
     """g <- the rank mean of layers every rank sent dithered, in one pass on the host."""
     direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
     out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
-    seeds = [r.dither_seed for r in dithered]
+    seeds = [decodable_seed(r) for r in dithered]
     assert all(s is not None for s in seeds)
     mean_undithered_into(
         [r.levels for r in dithered],

@@ -12,7 +12,14 @@ from tail_ray.compression.dither import sample_undithered
 from tail_ray.compression.kernel_parts import UNIFORM_TABLE
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.quantize import bucket_steps, dequantize, n_buckets
-from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.records import (
+    LayerRecord,
+    LowRankRecord,
+    QuantRecord,
+    RawRecord,
+    SparseRecord,
+    decodable_seed,
+)
 
 
 def as_flat_f32(t: torch.Tensor) -> np.ndarray:
@@ -32,7 +39,7 @@ def record_to_flat(rec: LayerRecord) -> torch.Tensor:
     match rec:
         case QuantRecord():
             return torch.from_numpy(
-                dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size, dither_seed=rec.dither_seed)
+                dequantize(rec.levels, rec.scales, rec.bits, rec.bucket_size, dither_seed=decodable_seed(rec))
             )
         case RawRecord():
             return torch.from_numpy(rec.values)
@@ -52,12 +59,11 @@ def records_to_flat(records: Sequence[LayerRecord]) -> dict[str, torch.Tensor]:
 def sample_flat(rec: LayerRecord, stride: int) -> torch.Tensor:
     """``records_to_flat([rec])[rec.name][::stride]`` without decoding the other elements:
     a quantized layer dequantizes only the sampled levels (same float32 products)."""
-    if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
+    seed = decodable_seed(rec) if isinstance(rec, QuantRecord) else None
+    if isinstance(rec, QuantRecord) and seed is not None:
         out = np.empty(len(range(0, rec.numel, stride)), dtype=np.float64)
         steps = bucket_steps(rec.scales, rec.bits)
-        sample_undithered(
-            rec.levels.reshape(-1), steps, rec.bucket_size, rec.dither_seed, UNIFORM_TABLE, stride, out
-        )
+        sample_undithered(rec.levels.reshape(-1), steps, rec.bucket_size, seed, UNIFORM_TABLE, stride, out)
         return torch.from_numpy(out.astype(np.float32))
     if isinstance(rec, QuantRecord):
         at = np.arange(0, rec.numel, stride)
@@ -94,11 +100,11 @@ def sample_stack(records: Sequence[LayerRecord], stride: int) -> torch.Tensor:
         out = np.empty((len(records), len(range(0, records[0].numel, stride))), dtype=np.float64)
         for row, r in zip(out, quant, strict=True):
             steps = bucket_steps(r.scales, r.bits)
-            if r.dither_seed is None:
+            seed = decodable_seed(r)
+            if seed is None:
                 _sample_dequantized(r.levels.reshape(-1), steps, r.bucket_size, stride, row)
             else:
-                sample_undithered(
-                    r.levels.reshape(-1), steps, r.bucket_size, r.dither_seed, UNIFORM_TABLE, stride, row
-                )
+                levels = r.levels.reshape(-1)
+                sample_undithered(levels, steps, r.bucket_size, seed, UNIFORM_TABLE, stride, row)
         return torch.from_numpy(out)
     return torch.stack([sample_flat(r, stride) for r in records]).double()

@@ -131,6 +131,15 @@ class LowRankRecord:
 LayerRecord = QuantRecord | RawRecord | SparseRecord | LowRankRecord
 
 
+def decodable_seed(rec: QuantRecord) -> int | None:
+    """The dither seed a decoder of ``rec`` subtracts the uniforms of (None: not dithered).
+    A layer dithered in slices (``slice_seeds``) has no one seed: a ValueError, not a decode
+    that is right for its first slice only."""
+    if rec.slice_seeds is not None:
+        raise ValueError(f"layer {rec.name!r} is dithered in slices: decode its slices (slice_record)")
+    return rec.dither_seed
+
+
 def _dithered_slice(rec: QuantRecord, start: int, stop: int) -> QuantRecord:
     """Elements [start, stop) of a layer dithered in slices (``slice_seeds``): exactly one of
     its slices, as a whole dithered record of its own seed. A layer dithered whole has no

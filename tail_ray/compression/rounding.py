@@ -38,8 +38,8 @@ ROUNDING_MODES = ("auto", *ROUNDINGS)
 
 def kernel_rounding(rounding: str) -> str:
     """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is dither where a layer can
-    carry it (the CPU kernels, whole layers: docs/engine.md, "Subtractive dither by default")
-    and nearest where it cannot (the Triton path, the sharded exchanges' slices: Tail falls
+    carry it (the CPU kernels, also slice by slice in the sharded exchanges: docs/engine.md,
+    "Subtractive dither by default") and nearest where it cannot (the Triton path: Tail falls
     back there, ``TailCompressor._undither``); an explicit choice is kept. A ConfigError for
     anything else."""
     if rounding == "auto":

@@ -142,7 +142,8 @@ class TailCompressor(RecordCompressor):
         *,
         own_shard: int | None = None,
     ) -> list[bytes]:
-        self.lowrank, self.controller.bucket_choice = None, "fixed"  # slices: quantized, at one bucket
+        self.lowrank = None  # slices: quantized, at one bucket
+        self.controller.fix_bucket()
         # A dithered layer is dithered slice by slice, each slice from its own seed, so that its
         # owner decodes it alone (record_compressor.quantize_layer's cuts).
         cuts: dict[str, set[int]] = {}
@@ -329,7 +330,8 @@ class TailCompressor(RecordCompressor):
         (see ``observe_peers``), the same rule as the first stage's, applied to what is sent."""
         stage = self.spawn()
         assert isinstance(stage, TailCompressor)
-        stage.lowrank, stage.controller.bucket_choice = None, "fixed"  # it re-compresses slices
+        stage.lowrank = None  # it re-compresses slices, at one bucket
+        stage.controller.fix_bucket()
         self._mean_budgets.append(stage.controller.policy)
         stage.set_linear_optimizer(self.controller.policy.linear)
         return stage

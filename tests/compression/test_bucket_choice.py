@@ -113,6 +113,27 @@ def test_state_dict_keeps_the_bucket_and_fixed_ignores_it():
     assert {r.bucket_size for r in decode_payload(fixed.compress(grads))} == {512}
 
 
+@pytest.mark.parametrize("rounding", ["dither", "nearest"])
+def test_a_checkpoint_with_per_layer_buckets_resumes_into_a_sharded_exchange(rounding):
+    """Plans restored at a bucket other than the configured one decide again when the
+    sharded exchange fixes one bucket (its slices are cut at its multiples), instead of
+    failing on the first step (a second review's finding)."""
+    comp = TailCompressor(
+        TailConfig(seed=1, bucket_choice="auto", rounding=rounding, lowrank="off", sample_numel=None)
+    )
+    grads = {"fc.weight": torch.from_numpy(_rows(6).reshape(128, 512))}
+    comp.compress(grads)
+    state = comp.state_dict()
+    assert state["controller"]["plans"]["fc.weight"]["bucket_size"] > 512
+    resumed = TailCompressor(
+        TailConfig(seed=1, bucket_choice="auto", rounding=rounding, lowrank="off", sample_numel=None)
+    )
+    resumed.load_state_dict(state)
+    shards = [{"fc.weight": slice(0, 32768)}, {"fc.weight": slice(32768, 65536)}]
+    payloads = resumed.compress_shards(grads, shards, own_shard=0)
+    assert {r.bucket_size for p in payloads for r in decode_payload(p)} == {512}
+
+
 def test_settings_and_the_paths_that_keep_one_bucket():
     with pytest.raises(ConfigError, match="bucket_choice must be one of"):
         TailConfig(bucket_choice="per-layer")

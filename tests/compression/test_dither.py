@@ -263,6 +263,11 @@ def test_the_sharded_exchange_dithers_each_slice_from_its_own_seed():
     assert isinstance(whole, QuantRecord) and whole.slice_seeds is not None
     with pytest.raises(CodecError, match="sent as its slices"):
         encode_payload([whole])
+    for decode in (record_to_flat, lambda r: sample_flat(r, 3), lambda r: sample_stack([r, r], 3)):
+        with pytest.raises(ValueError, match="decode its slices"):
+            decode(whole)  # no one seed decodes it: refused, not right for its first slice only
+    with pytest.raises(ValueError, match="decode its slices"):
+        mean_records_into([{"w": whole}, {"w": whole}], {"w": torch.empty(40_000)})
     with pytest.raises(ValueError, match="in slices at"):
         slice_record(whole, 512, cut)
     with pytest.raises(ValueError, match="in slices"):
