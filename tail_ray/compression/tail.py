@@ -144,8 +144,7 @@ class TailCompressor(RecordCompressor):
     ) -> list[bytes]:
         self.lowrank = None  # slices: quantized, at one bucket
         self.controller.fix_bucket()
-        # A dithered layer is dithered slice by slice, each slice from its own seed, so that its
-        # owner decodes it alone (record_compressor.quantize_layer's cuts).
+        # Dithered slice by slice, each from its own seed: its owner decodes it alone (quantize_layer).
         cuts: dict[str, set[int]] = {}
         for shard in shards:
             for name, part in shard.items():
