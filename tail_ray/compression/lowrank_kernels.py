@@ -62,11 +62,28 @@ def _project(m, q, out):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _project_t(m, p, out):  # type: ignore[no-untyped-def]
-    """out (cols x r) = m^T @ p (p: rows x r, float64); per output a float64 sum over i in order."""
+    """out (cols x r) = m^T @ p (p: rows x r, float64); per output a float64 sum over i in order.
+    Four rows of m at a time: each output takes their four terms one after another in a
+    register (the same additions in the same order as one row at a time), so the running
+    sums are loaded and stored a quarter as often."""
     rows, cols = m.shape
     r = p.shape[1]
     acc = np.zeros((cols, r), dtype=np.float64)
-    for i in range(rows):
+    full = rows - rows % 4
+    for i in range(0, full, 4):
+        for j in range(cols):
+            m0 = np.float64(m[i, j])
+            m1 = np.float64(m[i + 1, j])
+            m2 = np.float64(m[i + 2, j])
+            m3 = np.float64(m[i + 3, j])
+            for c in range(r):
+                a = acc[j, c]
+                a += m0 * p[i, c]
+                a += m1 * p[i + 1, c]
+                a += m2 * p[i + 2, c]
+                a += m3 * p[i + 3, c]
+                acc[j, c] = a
+    for i in range(full, rows):
         for j in range(cols):
             mij = np.float64(m[i, j])
             for c in range(r):
@@ -78,36 +95,72 @@ def _project_t(m, p, out):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _orthonormalize(a):  # type: ignore[no-untyped-def]
-    """Modified Gram-Schmidt on the columns of a (rows x r, float32) in float64, in place on
-    a float64 copy that is returned. A column that vanishes against the ones before it (a zero
-    gradient, a rank above M's) becomes zero: its Q column is then zero and sends nothing."""
+    """Modified Gram-Schmidt on the columns of a (rows x r, float32) in float64, returned as
+    a new float64 array (rows x r). A column that vanishes against the ones before it (a zero
+    gradient, a rank above M's) becomes zero: its Q column is then zero and sends nothing.
+
+    Column c is projected off columns 0, 1, ..., c-1 in turn (each final, normalized), then
+    normalized: the classic order, so every entry sees the same operations in the same order
+    as column after column. Run as: each finished column is taken off all the later ones, on
+    a transposed copy (r x rows, every column contiguous), four later columns at a time, so
+    four dot products' chains of additions run side by side instead of one after another."""
     rows, r = a.shape
+    # Rows padded by one cache line: at a power-of-two length the columns would sit 4 KiB
+    # apart, in the same L1 sets, and evict one another in the four-column loops.
+    pt = np.empty((r, rows + 8), dtype=np.float64)
+    for i in range(rows):
+        for c in range(r):
+            pt[c, i] = np.float64(a[i, c])
+    norm0 = np.zeros(r, dtype=np.float64)
+    for c in range(r):
+        col = pt[c]
+        s = 0.0
+        for i in range(rows):
+            s += col[i] * col[i]
+        norm0[c] = s
+    for k in range(r):
+        pk = pt[k]
+        norm = 0.0
+        for i in range(rows):
+            norm += pk[i] * pk[i]
+        # Left with under ~1e-12 of its own energy, the column is numerically in the span of
+        # the ones before it: a direction of rounding noise, not of M.
+        if norm > 0.0 and norm > 1e-24 * norm0[k]:
+            inv = 1.0 / np.sqrt(norm)
+            for i in range(rows):
+                pk[i] *= inv
+        else:
+            for i in range(rows):
+                pk[i] = 0.0
+        c = k + 1
+        while c + 4 <= r:
+            c0, c1, c2, c3 = pt[c], pt[c + 1], pt[c + 2], pt[c + 3]
+            d0 = d1 = d2 = d3 = 0.0
+            for i in range(rows):
+                x = pk[i]
+                d0 += x * c0[i]
+                d1 += x * c1[i]
+                d2 += x * c2[i]
+                d3 += x * c3[i]
+            for i in range(rows):
+                x = pk[i]
+                c0[i] -= d0 * x
+                c1[i] -= d1 * x
+                c2[i] -= d2 * x
+                c3[i] -= d3 * x
+            c += 4
+        while c < r:
+            cc = pt[c]
+            d = 0.0
+            for i in range(rows):
+                d += pk[i] * cc[i]
+            for i in range(rows):
+                cc[i] -= d * pk[i]
+            c += 1
     p = np.empty((rows, r), dtype=np.float64)
     for i in range(rows):
         for c in range(r):
-            p[i, c] = np.float64(a[i, c])
-    for c in range(r):
-        norm0 = 0.0
-        for i in range(rows):
-            norm0 += p[i, c] * p[i, c]
-        for k in range(c):
-            dot = 0.0
-            for i in range(rows):
-                dot += p[i, k] * p[i, c]
-            for i in range(rows):
-                p[i, c] -= dot * p[i, k]
-        norm = 0.0
-        for i in range(rows):
-            norm += p[i, c] * p[i, c]
-        # Left with under ~1e-12 of its own energy, the column is numerically in the span of
-        # the ones before it: a direction of rounding noise, not of M.
-        if norm > 0.0 and norm > 1e-24 * norm0:
-            inv = 1.0 / np.sqrt(norm)
-            for i in range(rows):
-                p[i, c] *= inv
-        else:
-            for i in range(rows):
-                p[i, c] = 0.0
+            p[i, c] = pt[c, i]
     return p
 
 
@@ -193,14 +246,19 @@ def _jacobi_eigh(a, max_sweeps):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _rotate(q, vectors, out):  # type: ignore[no-untyped-def]
-    """out (cols x r) = q (cols x r, float32) @ vectors (r x r, float64), sums over r in order."""
+    """out (cols x r) = q (cols x r, float32) @ vectors (r x r, float64), sums over r in order
+    (a row's r sums run side by side: each is still its own chain over k = 0, 1, ...)."""
     cols, r = q.shape
+    acc = np.empty(r, dtype=np.float64)
     for j in range(cols):
         for c in range(r):
-            acc = 0.0
-            for k in range(r):
-                acc += np.float64(q[j, k]) * vectors[k, c]
-            out[j, c] = np.float32(acc)
+            acc[c] = 0.0
+        for k in range(r):
+            qjk = np.float64(q[j, k])
+            for c in range(r):
+                acc[c] += qjk * vectors[k, c]
+        for c in range(r):
+            out[j, c] = np.float32(acc[c])
 
 
 def captured_energy_arrays(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
