@@ -10,8 +10,8 @@ decision, or the compressor invalidated it (runaway residual).
 With ``allocation="model"`` the estimates are kept, and the bits come from one whole-model
 allocation over every layer's latest estimate (``allocate.allocate_bits``) instead of each
 layer's own tau: an estimate is still refreshed by the rules above, and the allocation is
-recomputed at most once per step after one was (``ModelAllocator``: only the re-estimated
-layers' terms are redone, ~16 us for 11 layers).
+recomputed at most every ``REALLOCATE_EVERY_STEPS`` steps after one was (``ModelAllocator``:
+only the re-estimated layers' terms are redone), at once for a layer it does not cover.
 """
 
 from __future__ import annotations
@@ -27,13 +27,23 @@ import numpy as np
 from tail_ray.bitwidth.allocate import LayerCurve, ModelAllocator, pick_bits
 from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES, choose_bucket
 from tail_ray.bitwidth.policy import BudgetPolicy
-from tail_ray.bitwidth.quant_error import relative_errors
+from tail_ray.bitwidth.quant_error import relative_errors, warm_estimates
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.rounding import kernel_rounding
 from tail_ray.errors import ConfigError
 
 _TAU_MOVE = 1.5  # re-decide when tau changed by this factor since the last decision
+# allocation="model": re-allocate at most this often. The layers re-estimate on staggered
+# steps (about one a step on the char LM), so re-allocating on every step that had one
+# re-allocated on most steps, yet only ~15 % of those allocations moved any layer's bits
+# (LM, 2 runs: 177 and 160 allocations, 25 and 30 moved bits). In the benchmark's workers
+# each call costs ~80 us, not the ~15 us it takes in a loop on its own: the step's numeric
+# work has evicted its code and data from the caches. A re-estimate now waits up to 3 steps
+# to reach the allocation; a new or invalidated layer (runaway guard) is allocated at once.
+# A re-estimate that finds its layer over its share at the allocated bits does not wait
+# (BitController._keep_curve).
+REALLOCATE_EVERY_STEPS = 4
 
 __all__ = ["ALLOCATIONS", "BitController", "LayerPlan", "pick_bits"]
 
@@ -67,6 +77,7 @@ class BitController:
         tau_max: float = 0.5,
         rounding: str = "stochastic",
         bucket_choice: str = "fixed",
+        reallocate_every_steps: int | None = None,  # None: REALLOCATE_EVERY_STEPS
     ) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
@@ -83,6 +94,11 @@ class BitController:
         self.allocation = allocation
         self.layer_cap = layer_cap
         self.tau_max = tau_max
+        if reallocate_every_steps is None:
+            reallocate_every_steps = REALLOCATE_EVERY_STEPS
+        if reallocate_every_steps < 1:
+            raise ValueError(f"reallocate_every_steps must be >= 1, got {reallocate_every_steps}")
+        self.reallocate_every_steps = reallocate_every_steps
         self.candidate_bits = tuple(candidate_bits)
         self._ascending = sorted(range(len(self.candidate_bits)), key=self.candidate_bits.__getitem__)
         self.bucket_size = bucket_size
@@ -100,6 +116,9 @@ class BitController:
         self._allocated: dict[str, int] = {}
         self._allocated_step = -1
         self._dirty = False  # a curve changed since the allocation was made
+        self._urgent = False  # ... and the change raised a layer's error at its bits (_keep_curve)
+        # Here, at set-up, not in the first step's decisions (quant_error.warm_estimates).
+        warm_estimates()
 
     def _pick(self, nu: list[float], tau: float) -> int:
         """``pick_bits``'s rule, as the candidate's index, on the order sorted once."""
@@ -150,13 +169,25 @@ class BitController:
                 plan = self._bucket_plan(plan, g, residual)
             self.plans[name] = plan
             if self.allocation == "model":
-                self.curves[name] = LayerCurve(name, g.size, tau, tuple(values))
-                self._dirty = True
+                self._keep_curve(LayerCurve(name, g.size, tau, tuple(values)))
             self.decision_s += time.perf_counter() - t0
             self.decisions += 1
         if self.allocation == "model":
             plan = self._allocated_plan(name, plan, step)
         return plan
+
+    def _keep_curve(self, curve: LayerCurve) -> None:
+        """Keep a layer's new estimate for the allocation. Accuracy first: where it says the
+        layer now spends over ``_TAU_MOVE`` x its former share of the budget at the bits
+        allocated to it (tau tightened in a critical phase, or its error grew), the allocation
+        is redone at the next plan call rather than up to ``reallocate_every_steps`` later."""
+        old, bits = self.curves.get(curve.name), self._allocated.get(curve.name)
+        if old is not None and bits is not None:
+            k = self.candidate_bits.index(bits)
+            if curve.nu[k] / curve.tau > _TAU_MOVE * old.nu[k] / old.tau:
+                self._urgent = True
+        self.curves[curve.name] = curve
+        self._dirty = True
 
     def _bucket_plan(self, plan: LayerPlan, g: np.ndarray, residual: Residual | None) -> LayerPlan:
         """The plan at the cheapest bucket size with no more error (bucket_choice.py); the
@@ -181,14 +212,15 @@ class BitController:
         """The layer's plan with the bits of the current whole-model allocation (another
         layer's new estimate may have moved them since this layer's own decision).
 
-        Re-allocated at most once per step (a step's re-estimates of other layers count from
-        the next step), but at once for a layer the current
-        allocation does not cover (first seen, or invalidated by the runaway guard)."""
-        if self._dirty and (step != self._allocated_step or name not in self._allocated):
+        Re-allocated at most every ``reallocate_every_steps`` steps (re-estimates since count
+        from the next allocation), but at once for a layer the current allocation does not
+        cover (first seen, or invalidated by the runaway guard)."""
+        every = 1 if self._urgent else self.reallocate_every_steps
+        if self._dirty and (name not in self._allocated or step - self._allocated_step >= every):
             t0 = time.perf_counter()
             self._allocated = self._allocator.allocate(self.curves.values())
             self._allocated_step = step
-            self._dirty = False
+            self._dirty = self._urgent = False
             self.decision_s += time.perf_counter() - t0
         bits = self._allocated.get(name, plan.bits)
         if bits != plan.bits:
@@ -209,7 +241,7 @@ class BitController:
             return
         self.allocation = allocation
         self.curves.clear()
-        self._allocated, self._allocated_step, self._dirty = {}, -1, False
+        self._allocated, self._allocated_step, self._dirty, self._urgent = {}, -1, False, False
 
     def fix_bucket(self) -> None:
         """One bucket size for every layer from now on (the sharded exchanges cut layers at
@@ -234,6 +266,14 @@ class BitController:
             "plans": {name: asdict(p) for name, p in self.plans.items()},
             "policy": self.policy.state_dict(),
             "curves": {name: asdict(c) for name, c in self.curves.items()},
+            # The allocation in force and whether it lags a re-estimate: a resumed run then
+            # re-allocates on the step the uninterrupted one would have.
+            "allocated": {
+                "bits": dict(self._allocated),
+                "step": self._allocated_step,
+                "dirty": self._dirty,
+                "urgent": self._urgent,
+            },
             "rng": self._rng.bit_generator.state,
         }
 
@@ -263,7 +303,16 @@ class BitController:
             for name, c in dict(state.get("curves", {})).items()
             if len(c["nu"]) == len(self.candidate_bits)
         }
-        self._allocated, self._allocated_step, self._dirty = {}, -1, bool(self.curves)
+        self._allocated, self._allocated_step, self._dirty, self._urgent = {}, -1, bool(self.curves), False
+        saved = state.get("allocated")
+        # Older checkpoints have none: the allocation is then redone from the curves at once.
+        if saved is not None and self.curves and self.allocation == "model":
+            self._allocated = {
+                str(n): int(b) for n, b in dict(saved["bits"]).items() if int(b) in self.candidate_bits
+            }
+            self._allocated_step = int(saved["step"])
+            self._dirty = bool(saved["dirty"])
+            self._urgent = bool(saved.get("urgent", False))
         # Checkpoints before the RNG was saved have none: the seeded one goes on (the samples
         # then differ from the saved run's; the decisions stay valid).
         if "rng" in state:

@@ -232,3 +232,22 @@ def relative_errors(
     if den <= 0.0:
         return np.zeros(len(candidate_bits), dtype=np.float64)
     return num / den
+
+
+_estimates_warm = False  # warm_estimates ran in this process
+
+
+def warm_estimates() -> None:
+    """Both estimate kernels once on a tiny fixed input, at controller set-up (as the low-rank
+    chooser's warm_linalg): a process's first call loads them from numba's cache (~0.3 s in a
+    fresh process, ~10 ms in the benchmark's workers, whose other kernels share the loading),
+    which otherwise lands in the first step's decisions, every layer waiting on it. No
+    generator is drawn from: no sample, bit or choice changes."""
+    global _estimates_warm
+    if _estimates_warm:
+        return
+    g = np.linspace(-1.0, 1.0, 2048, dtype=np.float32)
+    for residual in (None, g * np.float32(0.5)):
+        bucket_errors(g, residual, 512, np.arange(4, dtype=np.int64), (2, 8))
+        _sampled_errors(g, residual, 512, 1, 2, 4, (2, 8), "stochastic")
+    _estimates_warm = True

@@ -1,6 +1,7 @@
 """Whole-model bit allocation: within budget, cheapest layers first, deterministic."""
 
 import itertools
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from tail_ray.bitwidth.allocate import (
     pick_bits,
     trade_layers,
 )
-from tail_ray.bitwidth.plan import BitController
+from tail_ray.bitwidth.plan import REALLOCATE_EVERY_STEPS, BitController
 from tail_ray.bitwidth.policy import BudgetPolicy
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -230,32 +231,91 @@ def test_model_allocation_in_the_controller_saves_bits_and_is_the_same_on_every_
     assert restored.decisions == decisions
 
 
-def test_model_allocation_is_redone_at_most_once_per_step(monkeypatch):
-    """Re-estimates of several layers in one step cost one allocation, except that a layer the
-    runaway guard invalidated is re-allocated at once (its old bits may be what ran away)."""
-    ctl = _controller("model")
-    layers = _layers(np.random.default_rng(6))
-    for name, g in layers.items():  # step 0: every layer is new
-        ctl.plan(name, g, None, 0, float(np.linalg.norm(g)))
-    assert set(ctl._allocated) == set(layers)
-    calls = []
+def _counting_allocations(monkeypatch, ctl):
+    """The steps at which ``ctl`` allocates from now on (read ``clock[0]`` as the step)."""
+    steps: list[int] = []
+    clock = [0]
     allocate = ctl._allocator.allocate
 
     def counting(*args, **kwargs):
-        calls.append(args)
+        steps.append(clock[0])
         return allocate(*args, **kwargs)
 
     monkeypatch.setattr(ctl._allocator, "allocate", counting)
-    invalidations = 0
-    for step in range(1, 30):
+    return steps, clock
+
+
+def _staggered_steps(ctl, layers, steps, *, lr=lambda step: 1.0, clock=None):
+    """Layers first seen one step apart, so their periodic re-estimates fall on different
+    steps (as in training, where drift spreads them): some layer re-estimates on most steps."""
+    names = list(layers)
+    for step in steps:
+        if clock is not None:
+            clock[0] = step
+        ctl.policy.set_lr(lr(step), step)
+        for name in names[: step + 1]:
+            g = layers[name]
+            ctl.plan(name, g, None, step, float(np.linalg.norm(g)))
+
+
+def test_model_allocation_is_redone_at_most_every_few_steps(monkeypatch):
+    """Re-estimates on many steps cost an allocation at most every REALLOCATE_EVERY_STEPS
+    steps, except that a layer the runaway guard invalidated is re-allocated at once (its old
+    bits may be what ran away)."""
+    ctl = _controller("model")
+    every = ctl.reallocate_every_steps
+    assert every == REALLOCATE_EVERY_STEPS > 1
+    layers = _layers(np.random.default_rng(6))
+    _staggered_steps(ctl, layers, range(len(layers)))  # every layer seen and allocated
+    assert set(ctl._allocated) == set(layers)
+    steps, clock = _counting_allocations(monkeypatch, ctl)
+    invalidated: set[int] = set()
+    decisions = ctl.decisions
+    for step in range(len(layers), 60):
         if step % 7 == 0:
             ctl.invalidate("l1")
-            invalidations += 1
+            invalidated.add(step)
+        _staggered_steps(ctl, layers, [step], clock=clock)
+    scheduled = [s for s in steps if s not in invalidated]
+    assert all(b - a >= every for a, b in pairwise(scheduled))
+    assert invalidated <= set(steps)  # the invalidated layer did not wait
+    assert len(scheduled) >= (60 - len(layers)) // every - len(invalidated)  # the schedule runs
+    assert ctl.decisions - decisions > len(steps)  # more re-estimates than allocations
+
+
+def test_a_tightened_budget_is_allocated_at_once(monkeypatch):
+    """Accuracy first: a critical phase (here an lr drop) halves tau, and the layers that
+    re-estimate under it do not wait for the schedule: the allocation is redone that step."""
+    ctl = _controller("model")
+    layers = _layers(np.random.default_rng(9))
+    _staggered_steps(ctl, layers, range(len(layers)))
+    steps, clock = _counting_allocations(monkeypatch, ctl)
+    _staggered_steps(ctl, layers, range(len(layers), 30), clock=clock)
+    last = steps[-1]
+    drop = last + 1  # well before the schedule's next allocation
+    before = {name: ctl.curves[name].tau for name in layers}
+    _staggered_steps(ctl, layers, [drop], lr=lambda step: 0.1, clock=clock)
+    assert any(ctl.curves[name].tau < before[name] / 1.5 for name in layers)  # re-estimated, tighter
+    assert steps[-1] == drop
+
+
+def test_a_resumed_controller_reallocates_on_the_steps_the_uninterrupted_one_does():
+    """The allocation may lag the latest re-estimates by a few steps: the checkpoint keeps the
+    allocation in force and whether it lags, so a run resumed mid-lag sends the same bits."""
+    rng = np.random.default_rng(8)
+    grads = [_layers(rng) for _ in range(16)]
+    whole, first = _controller("model"), _controller("model")
+    resumed = None
+    for step, layers in enumerate(grads):
+        if step == 6:
+            assert first._dirty  # saved while lagging, or the test shows nothing
+            resumed = _controller("model")
+            resumed.load_state_dict(first.state_dict())
         for name, g in layers.items():
-            # Growing norms: every layer drifts past norm_drift often, so re-estimates abound.
-            ctl.plan(name, g * 3.0**step, None, step, float(np.linalg.norm(g)) * 3.0**step)
-        assert len(calls) <= step + invalidations
-    assert calls and ctl.decisions > 2 * len(calls)  # many re-estimates, far fewer allocations
+            norm = float(np.linalg.norm(g)) * 2.0**step  # drifting: re-estimates on most steps
+            want = whole.plan(name, g * 2.0**step, None, step, norm).bits
+            ctl = first if resumed is None else resumed
+            assert ctl.plan(name, g * 2.0**step, None, step, norm).bits == want, (step, name)
 
 
 def test_unknown_allocation_is_refused():
