@@ -129,8 +129,8 @@ def _layer_terms(c: LayerCurve, bits: tuple[int, ...], *, layer_cap: float, tau_
 
 class ModelAllocator:
     """``allocate_bits`` for a controller that calls it again and again on curves of which only
-    a few changed since the last call (the controller re-allocates at most once per step,
-    after one or two layers were re-estimated). Kept between calls: each layer's terms (hull,
+    a few changed since the last call (the controller re-allocates at most every few steps,
+    after one or a few layers were re-estimated). Kept between calls: each layer's terms (hull,
     price segments with their budget cost, per-layer rule), recomputed only for a replaced
     curve, and all segments in sorted order, updated by bisection for the replaced ones.
 

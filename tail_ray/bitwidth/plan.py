@@ -117,6 +117,9 @@ class BitController:
         self._allocated_step = -1
         self._dirty = False  # a curve changed since the allocation was made
         self._urgent = False  # ... and the change raised a layer's error at its bits (_keep_curve)
+        # Per allocated layer, (nu at its allocated bits, tau) of the curve the allocation used.
+        self._allocated_spend: dict[str, tuple[float, float]] = {}
+        self._index = {b: j for j, b in enumerate(self.candidate_bits)}
         # Here, at set-up, not in the first step's decisions (quant_error.warm_estimates).
         warm_estimates()
 
@@ -178,13 +181,15 @@ class BitController:
 
     def _keep_curve(self, curve: LayerCurve) -> None:
         """Keep a layer's new estimate for the allocation. Accuracy first: where it says the
-        layer now spends over ``_TAU_MOVE`` x its former share of the budget at the bits
-        allocated to it (tau tightened in a critical phase, or its error grew), the allocation
-        is redone at the next plan call rather than up to ``reallocate_every_steps`` later."""
-        old, bits = self.curves.get(curve.name), self._allocated.get(curve.name)
-        if old is not None and bits is not None:
-            k = self.candidate_bits.index(bits)
-            if curve.nu[k] / curve.tau > _TAU_MOVE * old.nu[k] / old.tau:
+        layer now spends over ``_TAU_MOVE`` x the share of the budget the allocation in force
+        was made with, at the bits allocated to it (tau tightened in a critical phase, or its
+        error grew, in one re-estimate or over several), the allocation is redone at the next
+        plan call of a new step rather than up to ``reallocate_every_steps`` later."""
+        then, bits = self._allocated_spend.get(curve.name), self._allocated.get(curve.name)
+        if then is not None and bits is not None:
+            nu_then, tau_then = then
+            # nu / tau > 1.5 x nu_then / tau_then, multiplied out: tau may be 0 (tau_min 0).
+            if curve.nu[self.candidate_bits.index(bits)] * tau_then > _TAU_MOVE * nu_then * curve.tau:
                 self._urgent = True
         self.curves[curve.name] = curve
         self._dirty = True
@@ -216,11 +221,19 @@ class BitController:
         from the next allocation), but at once for a layer the current allocation does not
         cover (first seen, or invalidated by the runaway guard)."""
         every = 1 if self._urgent else self.reallocate_every_steps
-        if self._dirty and (name not in self._allocated or step - self._allocated_step >= every):
+        # Layers may count steps apart (TailCompressor passes each layer's own call count: one
+        # that joined late runs behind): a step before the allocation's is due at once, so a
+        # layer behind never waits on one ahead (at worst this allocates on every such call).
+        since = step - self._allocated_step
+        if self._dirty and (name not in self._allocated or since >= every or since < 0):
             t0 = time.perf_counter()
             self._allocated = self._allocator.allocate(self.curves.values())
             self._allocated_step = step
             self._dirty = self._urgent = False
+            index = self._index
+            self._allocated_spend = {
+                n: (self.curves[n].nu[index[b]], self.curves[n].tau) for n, b in self._allocated.items()
+            }
             self.decision_s += time.perf_counter() - t0
         bits = self._allocated.get(name, plan.bits)
         if bits != plan.bits:
@@ -242,6 +255,7 @@ class BitController:
         self.allocation = allocation
         self.curves.clear()
         self._allocated, self._allocated_step, self._dirty, self._urgent = {}, -1, False, False
+        self._allocated_spend = {}
 
     def fix_bucket(self) -> None:
         """One bucket size for every layer from now on (the sharded exchanges cut layers at
@@ -273,8 +287,18 @@ class BitController:
                 "step": self._allocated_step,
                 "dirty": self._dirty,
                 "urgent": self._urgent,
+                "spend": {n: list(v) for n, v in self._allocated_spend.items()},
+                # What it was made under: another setting on resume re-allocates at once.
+                "settings": self._allocation_settings(),
             },
             "rng": self._rng.bit_generator.state,
+        }
+
+    def _allocation_settings(self) -> dict[str, Any]:
+        return {
+            "candidate_bits": list(self.candidate_bits),
+            "layer_cap": self.layer_cap,
+            "tau_max": self.tau_max,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -304,15 +328,24 @@ class BitController:
             if len(c["nu"]) == len(self.candidate_bits)
         }
         self._allocated, self._allocated_step, self._dirty, self._urgent = {}, -1, bool(self.curves), False
+        self._allocated_spend = {}
         saved = state.get("allocated")
-        # Older checkpoints have none: the allocation is then redone from the curves at once.
-        if saved is not None and self.curves and self.allocation == "model":
+        # Older checkpoints have none, and one made under other settings does not hold: the
+        # allocation is then redone from the curves at once.
+        if (
+            saved is not None
+            and self.curves
+            and self.allocation == "model"
+            and saved.get("settings") == self._allocation_settings()
+        ):
             self._allocated = {
                 str(n): int(b) for n, b in dict(saved["bits"]).items() if int(b) in self.candidate_bits
             }
             self._allocated_step = int(saved["step"])
             self._dirty = bool(saved["dirty"])
-            self._urgent = bool(saved.get("urgent", False))
+            self._urgent = bool(saved["urgent"])
+            spend = dict(saved["spend"])
+            self._allocated_spend = {str(n): (float(v[0]), float(v[1])) for n, v in spend.items()}
         # Checkpoints before the RNG was saved have none: the seeded one goes on (the samples
         # then differ from the saved run's; the decisions stay valid).
         if "rng" in state:

@@ -16,7 +16,7 @@ from tail_ray.bitwidth.allocate import (
     pick_bits,
     trade_layers,
 )
-from tail_ray.bitwidth.plan import REALLOCATE_EVERY_STEPS, BitController
+from tail_ray.bitwidth.plan import REALLOCATE_EVERY_STEPS, BitController, LayerPlan
 from tail_ray.bitwidth.policy import BudgetPolicy
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -321,3 +321,73 @@ def test_a_resumed_controller_reallocates_on_the_steps_the_uninterrupted_one_doe
 def test_unknown_allocation_is_refused():
     with pytest.raises(ValueError, match="allocation"):
         _controller("global")
+
+
+NU = (2.0, 0.5, 0.12, 0.03, 0.008, 0.0005)  # nu at BITS: a layer that fits 4 bits at tau 0.25
+
+
+def _allocated_at_step_0(ctl, *curves):
+    """Curves kept and allocated as the controller would at step 0 (the first time it sees them)."""
+    for c in curves:
+        ctl._allocated.pop(c.name, None)
+        ctl._keep_curve(c)
+    ctl._allocated_plan(curves[0].name, LayerPlan(8, 0.0, 0.25, 0, 1.0), 0)
+    assert not ctl._dirty and set(ctl._allocated) == {c.name for c in curves}
+
+
+def test_urgency_is_judged_against_the_estimate_the_allocation_used():
+    """Two re-estimates inside the lag, each 1.4x the one before, add up to 1.96x the share
+    the allocation was made with: urgent, as one 1.96x re-estimate would be."""
+    ctl = _controller("model")
+    _allocated_at_step_0(ctl, LayerCurve("w", 1 << 15, 0.25, NU))
+    ctl._keep_curve(LayerCurve("w", 1 << 15, 0.25, tuple(v * 1.4 for v in NU)))
+    assert not ctl._urgent
+    ctl._keep_curve(LayerCurve("w", 1 << 15, 0.25, tuple(v * 1.96 for v in NU)))
+    assert ctl._urgent
+
+
+def test_a_zero_tau_is_judged_without_dividing_by_it():
+    """tau may be 0 (BudgetSettings(tau_min=0), no SGD noise measured): the urgency test
+    multiplies out instead of dividing."""
+    ctl = _controller("model")
+    _allocated_at_step_0(ctl, LayerCurve("w", 1 << 15, 0.25, NU))
+    ctl._keep_curve(LayerCurve("w", 1 << 15, 0.0, NU))
+    assert ctl._urgent  # a budget of 0: tighter than any
+    _allocated_at_step_0(ctl, LayerCurve("w", 1 << 15, 0.0, NU))
+    ctl._keep_curve(LayerCurve("w", 1 << 15, 0.0, NU))
+    assert not ctl._urgent
+
+
+def test_a_layer_counting_steps_behind_the_allocation_does_not_wait_on_it():
+    """Layers count their own steps (one that joined late runs behind). A step before the
+    allocation's is due at once: the old rule (any other step) never stalled, nor may this."""
+    ctl = _controller("model")
+    _allocated_at_step_0(ctl, LayerCurve("a", 1 << 15, 0.25, NU), LayerCurve("b", 1 << 14, 0.25, NU))
+    ctl._allocated_step = 39  # "a" allocated at its step 39, then stopped being sent
+    ctl._keep_curve(LayerCurve("b", 1 << 14, 0.25, tuple(v * 1.2 for v in NU)))
+    ctl._allocated_plan("b", LayerPlan(4, 0.1, 0.25, 9, 1.0), 9)  # "b" is at its step 9
+    assert not ctl._dirty and ctl._allocated_step == 9
+
+
+def test_a_checkpoint_resumed_under_other_allocation_settings_allocates_afresh():
+    """The allocation in force is restored only under the settings it was made with: a
+    resume at another layer_cap (or tau_max, or candidates) re-allocates at once."""
+    saved = _controller("model")
+    _allocated_at_step_0(saved, LayerCurve("a", 1 << 15, 0.25, NU), LayerCurve("b", 1 << 14, 0.1, NU))
+    state = saved.state_dict()
+    same = _controller("model")
+    same.load_state_dict(state)
+    assert same._allocated == saved._allocated and not same._dirty
+    other = BitController(
+        BudgetPolicy(_settings()),
+        candidate_bits=BITS,
+        bucket_size=512,
+        sample_numel=4096,
+        redecide_every_steps=5,
+        norm_drift=1.0,
+        seed=7,
+        allocation="model",
+        layer_cap=1.0,
+    )
+    other.load_state_dict(state)
+    assert other._allocated == {} and other._dirty  # allocated at the first plan call
