@@ -189,7 +189,7 @@ class BitController:
         if then is not None and bits is not None:
             nu_then, tau_then = then
             # nu / tau > 1.5 x nu_then / tau_then, multiplied out: tau may be 0 (tau_min 0).
-            if curve.nu[self.candidate_bits.index(bits)] * tau_then > _TAU_MOVE * nu_then * curve.tau:
+            if curve.nu[self._index[bits]] * tau_then > _TAU_MOVE * nu_then * curve.tau:
                 self._urgent = True
         self.curves[curve.name] = curve
         self._dirty = True

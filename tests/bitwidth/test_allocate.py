@@ -178,7 +178,7 @@ def _settings():
     return budget_settings(noise_fraction=0.25)
 
 
-def _controller(allocation):
+def _controller(allocation, **over):
     return BitController(
         BudgetPolicy(_settings()),
         candidate_bits=BITS,
@@ -188,6 +188,7 @@ def _controller(allocation):
         norm_drift=1.0,
         seed=7,
         allocation=allocation,
+        **over,
     )
 
 
@@ -378,16 +379,6 @@ def test_a_checkpoint_resumed_under_other_allocation_settings_allocates_afresh()
     same = _controller("model")
     same.load_state_dict(state)
     assert same._allocated == saved._allocated and not same._dirty
-    other = BitController(
-        BudgetPolicy(_settings()),
-        candidate_bits=BITS,
-        bucket_size=512,
-        sample_numel=4096,
-        redecide_every_steps=5,
-        norm_drift=1.0,
-        seed=7,
-        allocation="model",
-        layer_cap=1.0,
-    )
+    other = _controller("model", layer_cap=1.0)
     other.load_state_dict(state)
     assert other._allocated == {} and other._dirty  # allocated at the first plan call
