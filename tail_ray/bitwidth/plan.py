@@ -241,22 +241,6 @@ class BitController:
             self.plans[name] = plan
         return plan
 
-    def set_allocation(self, allocation: str) -> None:
-        """Switch the allocation (a layer that cannot carry the rounding it was set up for
-        falls back, and with it the allocation measured for that rounding). The plans stay:
-        a fallback happens at the first step, or at the first step after a resume, whose
-        restored plans are the new allocation's own (a checkpoint saved after the fallback);
-        a plan re-decides under the new allocation when it goes stale. The whole-model
-        allocation's state goes."""
-        if allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
-        if allocation == self.allocation:
-            return
-        self.allocation = allocation
-        self.curves.clear()
-        self._allocated, self._allocated_step, self._dirty, self._urgent = {}, -1, False, False
-        self._allocated_spend = {}
-
     def fix_bucket(self) -> None:
         """One bucket size for every layer from now on (the sharded exchanges cut layers at
         its multiples): plans restored or decided at another bucket decide again."""

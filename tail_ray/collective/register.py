@@ -21,8 +21,6 @@ from torch import nn
 from tail_ray.collective.methods import Hook, method_spec
 from tail_ray.collective.state import HookState, unwrap
 from tail_ray.collective.topology import NodeLayout
-from tail_ray.compression.device import uses_triton
-from tail_ray.compression.rounding import check_device_rounding
 from tail_ray.errors import ConfigError
 from tail_ray.methods import Method
 
@@ -42,20 +40,7 @@ def make_hook_state(
             f"config must be a mapping of settings for {spec.method.value!r}, got {type(config).__name__}"
         )
     state = spec.make_state(model, config, process_group, layout=layout)
-    _check_rounding_fits(model, state)
     return state
-
-
-def _check_rounding_fits(model: nn.Module, state: HookState) -> None:
-    """An explicit rounding "dither" on a model the Triton path would compress is refused now,
-    when the hook is made, not inside the first backward (the Triton kernels have no dither;
-    "auto" falls back to nearest there by itself)."""
-    compressors = getattr(state, "compressors", None)
-    if compressors is None:
-        return
-    roundings = {getattr(getattr(c, "config", None), "rounding", None) for c in compressors().values()}
-    if "dither" in roundings and any(uses_triton(p) for p in model.parameters()):
-        check_device_rounding("dither")
 
 
 def hook_for(method: Method | str) -> Hook:

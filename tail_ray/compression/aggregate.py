@@ -8,9 +8,10 @@ Two entry points, bit-identical to each other on the same payloads:
   contiguous: no per-rank float32 copy; into a CUDA gradient (Triton backend,
   ``device.uses_triton``) the same arithmetic runs as one Triton kernel on the device
   (``device_codec.mean_into``: int8 levels up, nothing back). A layer dithered on every rank
-  (always a host gradient: the Triton path has no dither) is averaged in one pass too
-  (``quantize.mean_undithered_into``). Any other layer (raw, sparse, or a mix, e.g. one rank
-  sent a non-finite layer raw) is decoded to tensors and averaged as above.
+  is averaged in one pass too, each rank's uniforms subtracted (``dither.mean_undithered_into``
+  on the host, ``device_codec.mean_into`` with the ranks' seeds on the device). Any other
+  layer (raw, sparse, or a mix, e.g. one rank sent a non-finite layer raw) is decoded to
+  tensors and averaged as above.
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
 divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
@@ -88,20 +89,31 @@ def mean_tensors_into(
         _copy_mean(g, tensors)
 
 
-def _fused_mean(g: torch.Tensor, dithered: list[QuantRecord]) -> None:
-    """g <- the rank mean of layers every rank sent dithered, in one pass on the host."""
+def _fused_mean(g: torch.Tensor, recs: list[QuantRecord], seeds: list[int] | None) -> None:
+    """g <- the grid's rank mean of quantized layers in one pass, each rank's uniforms
+    subtracted when ``seeds`` (every rank dithered): on the device for a Triton gradient,
+    else on the host straight into g where it is CPU fp32 contiguous."""
+    parts = (
+        [r.levels for r in recs],
+        [r.scales for r in recs],
+        [r.bits for r in recs],
+        [r.bucket_size for r in recs],
+    )
+    if uses_triton(g):
+        from tail_ray.compression import device_codec
+
+        fits = g.dtype == torch.float32 and g.is_contiguous()
+        dst = g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+        device_codec.mean_into(*parts, dst, dither_seeds=seeds)
+        if not fits:
+            g.copy_(dst.view(g.shape))
+        return
     direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
     out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
-    seeds = [decodable_seed(r) for r in dithered]
-    assert all(s is not None for s in seeds)
-    mean_undithered_into(
-        [r.levels for r in dithered],
-        [r.scales for r in dithered],
-        [r.bits for r in dithered],
-        [r.bucket_size for r in dithered],
-        [int(s) for s in seeds if s is not None],
-        out,
-    )
+    if seeds is not None:
+        mean_undithered_into(*parts, seeds, out)
+    else:
+        mean_dequantized_into(*parts, out)
     if not direct:
         g.copy_(torch.from_numpy(out).view(g.shape))
 
@@ -118,36 +130,9 @@ def mean_records_into(
         quant = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is None]
         dithered = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is not None]
         if len(dithered) == len(recs):  # every rank dithered it: the fused mean subtracts each u
-            _fused_mean(g, dithered)
-            continue
-        if len(quant) < len(recs):  # a mix: each decoded on its own (record_to_flat), then the mean
+            seeds = [decodable_seed(r) for r in dithered]
+            _fused_mean(g, dithered, [int(s) for s in seeds if s is not None])
+        elif len(quant) == len(recs):
+            _fused_mean(g, quant, None)
+        else:  # a mix: each decoded on its own (record_to_flat), then the mean
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
-            continue
-        if uses_triton(g):
-            from tail_ray.compression import device_codec
-
-            fits = g.dtype == torch.float32 and g.is_contiguous()
-            dst = (
-                g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=g.device)
-            )
-            device_codec.mean_into(
-                [r.levels for r in quant],
-                [r.scales for r in quant],
-                [r.bits for r in quant],
-                [r.bucket_size for r in quant],
-                dst,
-            )
-            if not fits:
-                g.copy_(dst.view(g.shape))
-            continue
-        direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
-        out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
-        mean_dequantized_into(
-            [r.levels for r in quant],
-            [r.scales for r in quant],
-            [r.bits for r in quant],
-            [r.bucket_size for r in quant],
-            out,
-        )
-        if not direct:
-            g.copy_(torch.from_numpy(out).view(g.shape))

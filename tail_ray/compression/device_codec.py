@@ -4,14 +4,16 @@ One layer of a CUDA gradient takes three launches and small transfers:
 
     sum_squares        per-block float64 partials -> ||g||^2 (finiteness and the layer norm)
     bucket_errors      the controller's sampled nu_b estimate (a few thousand elements)
-    quantize           g + e, scales, levels (stochastic or nearest), e' written in place,
-                       levels packed
+    quantize           g + e, scales, levels (stochastic, nearest or dithered), e' written
+                       in place, levels packed
 
 and only the bit-packed levels (bits/32 of the fp32 gradient), the scales (one float per
 bucket) and two scalars cross to the host, where the numba ``unpack_fixed`` turns them into
 int8 levels for the existing entropy coder: the payload is the CPU path's wire format byte
 for byte. On receipt, ``mean_into`` averages every rank's levels into the gradient on the
-device (the grid's rank mean, the same bits as the numba kernel).
+device (the grid's rank mean, the same bits as the numba kernel); ``mean_undithered_into``
+does the same for layers every rank dithered, subtracting each rank's uniforms (dither.py's
+decoder). Dither reads the shipped uniform table, copied to each device once (``_table``).
 
 Also here: the numpy reference of the device quantizer's random stream and of the quantizer
 itself (``uniform_reference``, ``quantize_reference``), which the tests hold the kernels to.
@@ -19,6 +21,7 @@ itself (``uniform_reference``, ``quantize_reference``), which the tests hold the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,8 +39,10 @@ from tail_ray.compression.grid import (
     inverse_levels_max,
     levels_max,
     n_buckets,
+    rank_steps,
 )
-from tail_ray.compression.rounding import check_device_rounding, is_nearest
+from tail_ray.compression.kernel_parts import UNIFORM_TABLE
+from tail_ray.compression.rounding import is_dither, is_nearest
 from tail_ray.errors import CodecError
 
 # Elements per program of the elementwise kernels (pack, dequantize, mean, sum of squares).
@@ -49,6 +54,13 @@ _EXACT = {"enable_fp_fusion": False}
 
 def _grid(n: int, block: int = _BLOCK) -> tuple[int]:
     return (max(1, triton.cdiv(n, block)),)
+
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    """The dither uniform table (kernel_parts.UNIFORM_TABLE, 256 KiB as int32) on ``device``,
+    copied once per device: every dithered quantize and mean reads it."""
+    return torch.from_numpy(UNIFORM_TABLE.astype(np.int32)).to(device)
 
 
 def sum_squares(g: DeviceFlat) -> float:
@@ -72,7 +84,6 @@ def bucket_errors(
     """``quant_error.bucket_errors`` on the device, the same bits: (sum of expected squared
     errors per candidate under ``rounding``, sum of squares, non-zero buckets) over
     ``bucket_ids``."""
-    check_device_rounding(rounding)
     dev = g.tensor.device
     nc = len(candidate_bits)
     ids = torch.as_tensor(np.ascontiguousarray(bucket_ids, dtype=np.int64)).to(dev)
@@ -92,6 +103,7 @@ def bucket_errors(
         NC=nc,
         NC_POW2=triton.next_power_of_2(nc),
         NEAREST=is_nearest(rounding),
+        DITHER=is_dither(rounding),
         **_EXACT,
     )
     host = out.cpu().numpy()
@@ -120,11 +132,11 @@ def quantize_device(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel, results left on the device: (packed levels uint8 in the wire's
     ``bitpack`` layout, scales f32, per-bucket non-zero counts i32, per-bucket ||e'||^2 f64).
-    ``residual`` (float32, g's size, same device) becomes the new residual in place.
-    ``rounding`` is a kernel rounding the device has (rounding.DEVICE_ROUNDINGS: a ConfigError
-    otherwise); ``seed`` only feeds stochastic."""
-    check_device_rounding(rounding)
-    nearest = is_nearest(rounding)
+    ``residual`` (float32, g's size, same device) becomes the new residual in place (under
+    dither it is added in once and emptied, as ``dither.dither_core_ef``). ``rounding`` is a
+    kernel rounding (rounding.ROUNDINGS: a ConfigError otherwise); ``seed`` feeds
+    stochastic and dither (whose receiver needs its low 32 bits)."""
+    nearest, dither = is_nearest(rounding), is_dither(rounding)
     if not 1 <= bucket_size <= MAX_DEVICE_BUCKET:
         raise ValueError(f"the Triton quantizer takes buckets of 1..{MAX_DEVICE_BUCKET}, got {bucket_size}")
     n, dev = g.size, g.tensor.device
@@ -146,6 +158,7 @@ def quantize_device(
         levels,
         nnz,
         err_sq,
+        _table(dev),
         n,
         bucket_size,
         seed & 0xFFFFFFFF,
@@ -156,6 +169,7 @@ def quantize_device(
         USE_E=use_e,
         PACK_BITS=bits if fuse_pack else 0,
         NEAREST=nearest,
+        DITHER=dither,
         **_EXACT,
     )
     if not fuse_pack:
@@ -225,27 +239,45 @@ def mean_into(
     bits: Sequence[int],
     bucket_sizes: Sequence[int],
     out: torch.Tensor,
+    dither_seeds: Sequence[int] | None = None,
 ) -> None:
     """``quantize.mean_dequantized_into`` on the device: the grid's rank mean of every rank's
     levels written into ``out`` (the gradient: float32, contiguous, on the device). The int8
-    levels (a quarter of fp32) and the steps go up; nothing comes back."""
+    levels (a quarter of fp32) and the steps go up; nothing comes back. With
+    ``dither_seeds`` (every rank's, in rank order) it is ``dither.mean_undithered_into``:
+    each rank's uniforms are subtracted."""
     n, dev = int(out.numel()), out.device
     world = len(levels)
     if world == 0:
         raise ValueError("the mean needs at least one rank")
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError("mean_into writes a float32 contiguous tensor")
-    for lv, sc, bs in zip(levels, scales, bucket_sizes, strict=True):
-        if lv.size != n or bs < 1 or sc.size != n_buckets(n, bs):
-            raise ValueError(f"{lv.size} levels / {sc.size} scales of bucket {bs} for {n} elements")
-    stride = max(n_buckets(n, bs) for bs in bucket_sizes)
+    if dither_seeds is not None and len(dither_seeds) != world:
+        raise ValueError(f"{len(dither_seeds)} dither seeds for {world} ranks")
+    lv, st = rank_steps(levels, scales, bits, bucket_sizes, n)  # checked, and the grid's steps
+    stride = max(x.size for x in st)
     steps = np.zeros((world, stride), dtype=np.float32)
-    for r, (sc, b) in enumerate(zip(scales, bits, strict=True)):
-        steps[r, : sc.size] = np.asarray(sc, dtype=np.float32).reshape(-1) * inverse_levels_max(b)
-    lv_dev = torch.from_numpy(np.stack([np.asarray(x, dtype=np.int8).reshape(-1) for x in levels])).to(dev)
+    for r, x in enumerate(st):
+        steps[r, : x.size] = x
+    lv_dev = torch.from_numpy(np.stack(lv)).to(dev)
     st_dev = torch.from_numpy(steps).to(dev)
     bs_dev = torch.tensor(list(bucket_sizes), dtype=torch.int64).to(dev)
-    K._mean_kernel[_grid(n)](lv_dev, st_dev, bs_dev, out.view(-1), n, world, stride, BLOCK=_BLOCK, **_EXACT)
+    seeds = [int(x) & 0xFFFFFFFF for x in dither_seeds] if dither_seeds is not None else [0] * world
+    seeds_dev = torch.tensor(seeds, dtype=torch.int64).to(dev)
+    K._mean_kernel[_grid(n)](
+        lv_dev,
+        st_dev,
+        bs_dev,
+        seeds_dev,
+        _table(dev),
+        out.view(-1),
+        n,
+        world,
+        stride,
+        BLOCK=_BLOCK,
+        DITHER=dither_seeds is not None,
+        **_EXACT,
+    )
 
 
 # --------------------------------------------------------------------------- references
@@ -276,7 +308,8 @@ def quantize_reference(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The device quantizer in plain numpy (each operation an IEEE float32 op, as the kernel):
     (int8 levels, scales, new residual or None). The tests hold the kernel to these bits."""
-    check_device_rounding(rounding)
+    if is_dither(rounding):
+        raise ValueError("dither's reference is the numba kernel: quantize_finite(..., rounding='dither')")
     nearest = is_nearest(rounding)
     x = np.asarray(g, dtype=np.float32).reshape(-1).copy()
     if residual is not None:

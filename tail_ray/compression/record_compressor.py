@@ -50,8 +50,9 @@ import torch
 from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.base import Compressor
 from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
+from tail_ray.compression.dither_slices import dither_in_slices, dither_on_device
 from tail_ray.compression.feedback import ErrorFeedback
-from tail_ray.compression.quantize import is_dither, n_buckets, quantize_finite, slice_seed, sum_squares
+from tail_ray.compression.quantize import is_dither, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
 from tail_ray.compression.records import (
     LayerRecord,
@@ -312,33 +313,37 @@ class RecordCompressor(Compressor):
     ) -> tuple[QuantRecord, int]:
         """Quantization of g + e in one fused pass (Tail's and qsgd's kernel), which also writes
         the new residual and its norm; returns the record and its non-zero levels. ``rounding``
-        is a kernel rounding (quantize.ROUNDINGS), on either backend ("dither" on the host
-        only: a ConfigError on the device; its record carries ``seed`` for the receiver).
+        is a kernel rounding (quantize.ROUNDINGS), on either backend (under "dither" the record
+        carries ``seed`` for the receiver).
         ``cuts``: under dither, the element starts of the slices a sharded exchange sends (at
         multiples of ``bucket_size``): each slice is dithered from its own seed
         (``quantize.slice_seed``), so each decodes alone (``records.slice_record``)."""
         if isinstance(g, DeviceFlat) and bucket_size > MAX_DEVICE_BUCKET:
             _warn_big_bucket(bucket_size)
             g = g.host()  # and its residual moves to the host with it (residual_of below)
-        if isinstance(g, DeviceFlat):
-            from tail_ray.compression import device_codec
-
-            res = self.residual_of(name, g)
-            assert res is None or isinstance(res, torch.Tensor)
-            out = device_codec.quantize(g, res, bits, bucket_size, seed, rounding)
-            if self.feedback is not None:
-                self.feedback.measured(name, out.err_sq)
-            return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz
-        levels = np.empty(g.size, dtype=np.int8)
-        scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
         dither = is_dither(rounding)
         # Dither keeps no residual: one left by another code (low-rank, a checkpoint of another
         # rounding) is added in once, and then dropped.
         carried = self.feedback is not None and name in self.feedback
         residual = self.residual_of(name, g) if carried or not dither else None
+        if isinstance(g, DeviceFlat):
+            assert residual is None or isinstance(residual, torch.Tensor)
+            if dither:
+                record, nnz = dither_on_device(g, residual, bits, bucket_size, seed, cuts)
+                if self.feedback is not None:
+                    self.feedback.reset(name)  # the kernel emptied a residual carried in
+                return replace(record, name=name), nnz
+            from tail_ray.compression import device_codec
+
+            out = device_codec.quantize(g, residual, bits, bucket_size, seed, rounding)
+            if self.feedback is not None:
+                self.feedback.measured(name, out.err_sq)
+            return QuantRecord(name, bits, bucket_size, out.scales, out.levels), out.nnz
+        levels = np.empty(g.size, dtype=np.int8)
+        scales = np.empty(n_buckets(g.size, bucket_size), dtype=np.float32)
         assert residual is None or isinstance(residual, np.ndarray)
         if dither and cuts is not None and list(cuts) != [0]:
-            record, nnz = _dither_in_slices(g, residual, bits, bucket_size, seed, cuts, levels, scales)
+            record, nnz = dither_in_slices(g, residual, bits, bucket_size, seed, cuts, levels, scales)
             if self.feedback is not None:
                 self.feedback.reset(name)
             return replace(record, name=name), nnz
@@ -411,39 +416,3 @@ class RecordCompressor(Compressor):
             self.feedback.load_state_dict(state["residuals"])
         else:
             self.feedback.reset()
-
-
-def _dither_in_slices(
-    g: np.ndarray,
-    residual: np.ndarray | None,
-    bits: int,
-    bucket_size: int,
-    seed: int,
-    cuts: Sequence[int],
-    levels: np.ndarray,
-    scales: np.ndarray,
-) -> tuple[QuantRecord, int]:
-    """g (+ a residual sent once) dithered slice by slice into ``levels`` / ``scales``: the
-    same buckets as one pass (the cuts sit on bucket edges), each slice's uniforms from
-    ``slice_seed(seed, start)``. The record (named "") holds every slice's seed."""
-    starts = sorted(set(cuts))
-    if starts[0] != 0 or starts[-1] >= g.size or any(s % bucket_size for s in starts):
-        raise ValueError(
-            f"slices must start at 0 and at multiples of the bucket ({bucket_size}) inside"
-            f" {g.size} elements, got {starts}"
-        )
-    seeds, nnz = [], 0
-    for lo, hi in zip(starts, [*starts[1:], g.size], strict=True):
-        s32 = slice_seed(seed, lo)
-        first = lo // bucket_size
-        part_scales = scales[first : first + n_buckets(hi - lo, bucket_size)]
-        part_res = None if residual is None else residual[lo:hi]
-        n, _ = quantize_finite(
-            g[lo:hi], part_res, bits, bucket_size, s32, levels[lo:hi], part_scales, rounding="dither"
-        )
-        nnz += n
-        seeds.append((lo, s32))
-    record = QuantRecord(
-        "", bits, bucket_size, scales, levels, dither_seed=seeds[0][1], slice_seeds=tuple(seeds)
-    )
-    return record, nnz

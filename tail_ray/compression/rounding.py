@@ -11,10 +11,8 @@ from __future__ import annotations
 from tail_ray.errors import ConfigError
 
 __all__ = [
-    "DEVICE_ROUNDINGS",
     "ROUNDINGS",
     "ROUNDING_MODES",
-    "check_device_rounding",
     "is_dither",
     "is_nearest",
     "kernel_rounding",
@@ -27,9 +25,6 @@ __all__ = [
 # subtracts u again: an error uniform on +-step/2 whatever the value, unbiased, independent of
 # the gradient, with no error feedback; docs/engine.md, "Subtractive dither in the engine").
 ROUNDINGS = ("stochastic", "nearest", "dither")
-# What the Triton kernels implement: dither's decoder needs the uniform table on the device,
-# which it does not have yet.
-DEVICE_ROUNDINGS = ("stochastic", "nearest")
 # What TailConfig.rounding takes: a kernel's rounding, or "auto" (the default), resolved by
 # ``kernel_rounding``. "auto" stays a setting of its own so that a later, measured change of
 # the default reaches configs that did not pin one.
@@ -37,11 +32,9 @@ ROUNDING_MODES = ("auto", *ROUNDINGS)
 
 
 def kernel_rounding(rounding: str) -> str:
-    """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is dither where a layer can
-    carry it (the CPU kernels, also slice by slice in the sharded exchanges: docs/engine.md,
-    "Subtractive dither by default") and nearest where it cannot (the Triton path: Tail falls
-    back there, ``TailCompressor._undither``); an explicit choice is kept. A ConfigError for
-    anything else."""
+    """The kernel rounding of a ``ROUNDING_MODES`` setting: "auto" is dither, on both backends
+    and also slice by slice in the sharded exchanges (docs/engine.md, "Subtractive dither by
+    default"); an explicit choice is kept. A ConfigError for anything else."""
     if rounding == "auto":
         return "dither"
     is_nearest(rounding)
@@ -59,13 +52,3 @@ def is_dither(rounding: str) -> bool:
     """Whether ``rounding`` is "dither"; a ConfigError for anything not in ROUNDINGS."""
     is_nearest(rounding)
     return rounding == "dither"
-
-
-def check_device_rounding(rounding: str) -> None:
-    """A ConfigError unless the Triton kernels implement ``rounding``: a CUDA gradient must never
-    be sent some other way than the one asked for."""
-    if rounding not in DEVICE_ROUNDINGS:
-        raise ConfigError(
-            f"rounding {rounding!r} runs on the CPU kernels only; a CUDA gradient takes one of "
-            f"{list(DEVICE_ROUNDINGS)} (set rounding to 'auto' for CUDA training)"
-        )

@@ -39,7 +39,6 @@ from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord
-from tail_ray.compression.rounding import check_device_rounding
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
 
@@ -155,18 +154,6 @@ class TailCompressor(RecordCompressor):
         finally:
             self._slice_starts = {}
 
-    def _undither(self, why: str) -> None:
-        """Round to nearest, with its own budget, instead of dither, where a layer cannot carry
-        dither: the Triton kernels have no dither (under rounding "auto" only; an explicit
-        "dither" there is a ConfigError)."""
-        if self.controller.rounding != "dither":
-            return
-        level = logging.INFO if self.config.rounding == "auto" else logging.WARNING
-        log.log(level, "rounding to nearest instead of dither: %s", why)
-        self.controller.rounding = "nearest"
-        self.controller.policy.s = self.config.budget_settings(dither=False)
-        self.controller.set_allocation(self.config.allocation_for("nearest"))
-
     def _lowrank_layer(
         self, name: str, g: LayerArray, sum_sq: float, nu_quant: float, step: int
     ) -> CompressedLayer | None:
@@ -263,10 +250,6 @@ class TailCompressor(RecordCompressor):
 
     def compress_layer(self, name: str, g: LayerArray, sum_sq: float) -> CompressedLayer:
         step = self._layer_steps[name] - 1  # this call's 0-based step of the layer
-        if self.controller.rounding == "dither" and not isinstance(g, np.ndarray):
-            if self.config.rounding != "auto":
-                check_device_rounding("dither")  # a ConfigError: never sent some other way
-            self._undither("the Triton kernels have no dither")  # "auto": the device's rounding
         dither = self.controller.rounding == "dither"
         # A dithered layer keeps no residual: only one left by low-rank (or a checkpoint of
         # another rounding) is still there, to be sent once.

@@ -69,7 +69,7 @@ class TailConfig:
         +0.12 points (s.e. 0.17), digits within 0.28 points of none on every seed. With
         nearest rounding it was no better on the LM (paired +0.40 points, s.e. 0.48; 8 of 10
         seeds over 1 %), and with stochastic rounding worse on every seed, so those keep the
-        per-layer rule: the Triton path, which rounds to nearest, too (docs/engine.md).
+        per-layer rule (docs/engine.md).
     layer_cap: with allocation "model", no layer's nu may exceed layer_cap x its own tau.
     error_feedback: keep per-layer residuals (off only for ablations).
     lowrank: "auto" (the default) or "off" (every large layer quantized): under "auto",
@@ -93,15 +93,14 @@ class TailConfig:
         or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
         padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
         (docs/engine.md, "Agreed low-rank choice").
-    rounding: "auto" (the default: "dither" on the CPU kernels, also in the sharded
-        exchanges, slice by slice; "nearest" where a layer cannot carry dither: the Triton
-        path), "dither"
-        (CPU kernels only: subtractive dither, an unbiased error of exactly step^2 / 12 per
-        element that no error feedback carries; the payload carries a 4-byte seed per layer),
-        "stochastic" (unbiased) or "nearest" (halves away from zero: ~half the error at the
-        same bits, biased per step, error feedback carries the bias on; the same levels on
-        both backends, bit for bit). Dither by default since issue 15: on the LM 14.5x at
-        +0.60 % of none against nearest's 12.2x at +1.74 % (paired -1.14 points, 10 seeds),
+    rounding: "auto" (the default: "dither", on both backends, also in the sharded
+        exchanges, slice by slice), "dither" (subtractive dither, an unbiased error of exactly
+        step^2 / 12 per element that no error feedback carries; the payload carries a 4-byte
+        seed per layer), "stochastic" (unbiased) or "nearest" (halves away from zero: ~half
+        the error at the same bits, biased per step, error feedback carries the bias on).
+        Dither and nearest send the same levels on both backends, bit for bit. Dither by
+        default since issue 15: on the LM 14.5x at +0.60 % of none against nearest's 12.2x
+        at +1.74 % (paired -1.14 points, 10 seeds),
         digits unchanged (docs/engine.md, "Subtractive dither by default"); nearest was the
         default before (12.0x vs 9.5x on the LM against stochastic: "Nearest rounding by
         default").
@@ -226,14 +225,14 @@ class TailConfig:
         object.__setattr__(self, "lowrank_bits", int(factor_bits))  # YAML / --set may give 8.0
         object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
 
-    def allocation_for(self, rounding: str | None = None) -> str:
+    def allocation_for(self) -> str:
         """The allocation in force (plan.ALLOCATIONS): ``allocation``, with "auto" resolved by
-        the quantizer's kernel rounding (``rounding``, default the configured one's): "model"
-        under dither, "layer" otherwise and with ``bucket_choice`` "auto" (a bucket chosen per
-        layer holds that layer's own error; the allocation would move its bits after)."""
+        the quantizer's kernel rounding: "model" under dither, "layer" otherwise and with
+        ``bucket_choice`` "auto" (a bucket chosen per layer holds that layer's own error; the
+        allocation would move its bits after)."""
         if self.allocation != "auto":
             return self.allocation
-        kernel = kernel_rounding(self.rounding if rounding is None else rounding)
+        kernel = kernel_rounding(self.rounding)
         return "model" if kernel == "dither" and self.bucket_choice != "auto" else "layer"
 
     def lowrank_target_for(self) -> str:
@@ -252,10 +251,10 @@ class TailConfig:
             start_step=self.warmup_steps,
         )
 
-    def budget_settings(self, *, dither: bool | None = None) -> BudgetSettings:
-        """The budget's settings; ``dither`` (default: whether rounding is "dither") puts
-        ``dither_noise_fraction`` in place of ``noise_fraction``."""
-        dither = kernel_rounding(self.rounding) == "dither" if dither is None else dither
+    def budget_settings(self) -> BudgetSettings:
+        """The budget's settings; under dither ``dither_noise_fraction`` in place of
+        ``noise_fraction``."""
+        dither = kernel_rounding(self.rounding) == "dither"
         return BudgetSettings(
             noise_fraction=self.dither_noise_fraction if dither else self.noise_fraction,
             linear_noise_fraction=self.linear_noise_fraction,

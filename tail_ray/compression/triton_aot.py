@@ -45,17 +45,29 @@ _P32, _P64 = "*fp32", "*fp64"
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
     quant_sig = {
         "g_ptr": _P32, "e_ptr": _P32, "scales_ptr": _P32, "levels_ptr": "*u8", "nnz_ptr": "*i32",
-        "err_sq_ptr": _P64, "n": "i32", "bucket_size": "i32", "seed": "u32", "lmax": "i32",
-        "inv_l": "fp32", "packed_bytes": "i32",
+        "err_sq_ptr": _P64, "tab_ptr": "*i32", "n": "i32", "bucket_size": "i32", "seed": "u32",
+        "lmax": "i32", "inv_l": "fp32", "packed_bytes": "i32",
     }  # fmt: skip
     out: list[tuple[str, object, dict[str, str], dict[str, object]]] = []
-    # Round-to-nearest (Tail's default) and stochastic rounding are separate compiled kernels.
-    for nearest, tag in ((True, "nearest"), (False, "stochastic")):
+    # Each rounding is its own compiled kernel: dither (Tail's default), nearest, stochastic.
+    roundings = (("dither", False, True), ("nearest", True, False), ("stochastic", False, False))
+    for tag, nearest, dither in roundings:
+        mode = {"NEAREST": nearest, "DITHER": dither}
         for bits in (2, 3, 4, 8):
             out.append((f"quantize_ef_pack{bits}_{tag}", K._quantize_kernel, quant_sig,
-                        {"BLOCK": 512, "USE_E": True, "PACK_BITS": bits, "NEAREST": nearest}))  # fmt: skip
+                        {"BLOCK": 512, "USE_E": True, "PACK_BITS": bits, **mode}))  # fmt: skip
         out.append((f"quantize_int8_{tag}", K._quantize_kernel, {**quant_sig, "levels_ptr": "*i8"},
-                    {"BLOCK": 128, "USE_E": False, "PACK_BITS": 0, "NEAREST": nearest}))  # fmt: skip
+                    {"BLOCK": 128, "USE_E": False, "PACK_BITS": 0, **mode}))  # fmt: skip
+    dither_2k: dict[str, object] = {
+        "BLOCK": 2048,
+        "USE_E": False,
+        "PACK_BITS": 4,
+        "NEAREST": False,
+        "DITHER": True,
+    }
+    out.append(
+        ("quantize_pack4_dither_2k", K._quantize_kernel, quant_sig, dither_2k)
+    )  # two chunks of uniforms
     out.append(("pack4", K._pack_kernel,
                 {"levels_ptr": "*i8", "out_ptr": "*u8", "n": "i32", "lmax": "i32", "packed_bytes": "i32"},
                 {"BLOCK": 1024, "BITS": 4}))  # fmt: skip
@@ -63,15 +75,17 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                 {"packed_ptr": "*u8", "scales_ptr": _P32, "out_ptr": _P32, "n": "i32", "bucket_size": "i32",
                  "lmax": "i32", "inv_l": "fp32"},
                 {"BLOCK": 1024, "BITS": 3}))  # fmt: skip
-    out.append(("mean", K._mean_kernel,
-                {"levels_ptr": "*i8", "steps_ptr": _P32, "bucket_ptr": "*i64", "out_ptr": _P32, "n": "i32",
-                 "world": "i32", "steps_stride": "i32"},
-                {"BLOCK": 1024}))  # fmt: skip
-    for nearest, tag in ((True, "nearest"), (False, "stochastic")):
+    for dither in (False, True):
+        out.append(("mean_dither" if dither else "mean", K._mean_kernel,
+                    {"levels_ptr": "*i8", "steps_ptr": _P32, "bucket_ptr": "*i64", "seeds_ptr": "*i64",
+                     "tab_ptr": "*i32", "out_ptr": _P32, "n": "i32", "world": "i32", "steps_stride": "i32"},
+                    {"BLOCK": 1024, "DITHER": dither}))  # fmt: skip
+    for tag, nearest, dither in roundings:
         out.append((f"bucket_errors_{tag}", K._bucket_errors_kernel,
                     {"g_ptr": _P32, "e_ptr": _P32, "ids_ptr": "*i64", "n_ids": "i32", "n": "i32",
                      "bucket_size": "i32", "lmax_ptr": "*i32", "out_ptr": _P64},
-                    {"USE_E": True, "NC": 6, "NC_POW2": 8, "NEAREST": nearest}))  # fmt: skip
+                    {"USE_E": True, "NC": 6, "NC_POW2": 8, "NEAREST": nearest,
+                     "DITHER": dither}))  # fmt: skip
     out.append(("sum_squares", K._sum_squares_kernel, {"x_ptr": _P32, "partial_ptr": _P64, "n": "i32"},
                 {"BLOCK": 1024}))  # fmt: skip
     return out

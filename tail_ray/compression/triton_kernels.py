@@ -6,14 +6,16 @@ tail_ray/compression/grid.py and of the numba kernels (quantize.py, quant_error.
 by operation, so that on the same input and seed-independent parts the results are the same
 bits as the CPU path:
 
-    _quantize_kernel      one program per bucket: x = sat(g + e), scale = max |x|, stochastic
-                          or nearest levels (NEAREST), e' = x - float32(level) * step, the
-                          levels bit-packed in the wire's ``bitpack`` layout (or int8),
+    _quantize_kernel      one program per bucket: x = sat(g + e), scale = max |x|, stochastic,
+                          nearest (NEAREST) or dithered (DITHER) levels, e' = x -
+                          float32(level) * step (dither: e' = 0, a residual is sent once),
+                          the levels bit-packed in the wire's ``bitpack`` layout (or int8),
                           per-bucket non-zero count and ||e'||^2 partial
     _pack_kernel          int8 levels -> the ``bitpack`` body (when buckets do not align to
                           byte groups of 8 levels, the quantizer writes int8 and this packs)
     _dequantize_kernel    packed levels -> float32(level) * step (the reference dequantizer)
     _mean_kernel          the grid's rank mean of R ranks' int8 levels, into the gradient
+                          (DITHER: each rank's uniforms subtracted, dither.py's decoder)
     _bucket_errors_kernel the controller's sampled estimate (quant_error._bucket_error_sums)
                           in its exact summation order: the same bits, so the same decision
     _sum_squares_kernel   per-block float64 sums of squares (the layer norm and finiteness)
@@ -25,7 +27,14 @@ division (``tl.fdiv(..., ieee_rounding=True)`` in float32, where the default may
 approximate; a float64 ``/`` is div.rn.f64). ``triton_aot`` compiles every kernel for sm_90
 without a GPU and checks the PTX for both.
 
-Round-to-nearest (Tail's default) has no randomness: its levels, and so the whole payload
+Subtractive dither (Tail's default where rounding is "auto") draws the CPU path's very
+uniforms: they are keyed by position (a hash of the seed and the bucket, then of the chunk of
+1,024 inside it, picks a window of the shipped uniform table and a rotation), so any program
+computes any element's draw (``_dither_uniform``), and the levels, the payload and the
+receiver's mean are the numba kernels' bits. The table goes to the device once
+(device_codec).
+
+Round-to-nearest has no randomness: its levels, and so the whole payload
 and residual, are the numba kernel's bit for bit. Stochastic rounding's randomness is the one
 part that differs from the CPU path, by design: the numba quantizer
 reads a shuffled table at offsets drawn from a splitmix64 chain that runs sequentially through
@@ -47,6 +56,12 @@ F32_MAX = tl.constexpr(3.4028234663852886e38)  # grid.F32_MAX, exactly float32's
 TINY_SCALE = tl.constexpr(2.0**-64)  # grid.TINY_SCALE
 TINY_PRESCALE = tl.constexpr(2.0**64)  # grid.TINY_PRESCALE
 LANES = tl.constexpr(64)  # fixedsum.LANES: the lane layout of every CPU float sum
+# The dither stream (kernel_parts.py, dither.py): chunk length, splitmix64's increment and
+# the bucket hash's multiplier.
+CHUNK = tl.constexpr(1024)
+GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
+BUCKET_MIX = tl.constexpr(0xD1B54A32D192ED03)
+TWELFTH = tl.constexpr(0.0833333358168602)  # float32(1 / 12): quant_error._TWELFTH
 
 
 @triton.jit
@@ -65,6 +80,28 @@ def _uniform(seed, idx):
     x = (x * 0x846CA68B).to(tl.uint32)
     x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _splitmix(z):
+    """kernel_parts.splitmix on uint64 (every product wraps, as numba's uint64 does)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9).to(tl.uint64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB).to(tl.uint64)
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _dither_uniform(tab_ptr, seed, k, j, mask):
+    """The dither uniform of element ``j`` of bucket ``k`` (int64 tensors) under ``seed``:
+    dither._chunk_window's draw for chunk j // CHUNK, then kernel_parts.uniform on the table
+    entry, each float32 operation rounded on its own, so the CPU's bits."""
+    h = _splitmix(seed.to(tl.uint64) ^ ((k + 1).to(tl.uint64) * BUCKET_MIX).to(tl.uint64))
+    z = _splitmix((h + ((j // CHUNK) + 1).to(tl.uint64) * GOLDEN).to(tl.uint64))
+    off = (z & 0xFFFF).to(tl.int64)
+    rot = (z >> 40).to(tl.float32) * (1.0 / 16777216.0)  # exact: 24 bits, times 2^-24
+    t = tl.load(tab_ptr + off + j % CHUNK, mask=mask, other=0)
+    u = t.to(tl.float32) * (1.0 / 65536.0) + rot
+    return tl.where(u >= 1.0, u - 1.0, u)
 
 
 @triton.jit
@@ -103,6 +140,7 @@ def _quantize_kernel(
     levels_ptr,
     nnz_ptr,
     err_sq_ptr,
+    tab_ptr,
     n,
     bucket_size,
     seed,
@@ -113,6 +151,7 @@ def _quantize_kernel(
     USE_E: tl.constexpr,
     PACK_BITS: tl.constexpr,
     NEAREST: tl.constexpr,
+    DITHER: tl.constexpr,
 ):
     k = tl.program_id(0)
     lo = k.to(tl.int64) * bucket_size
@@ -129,7 +168,18 @@ def _quantize_kernel(
     inv = tl.fdiv(lmax.to(tl.float32), safe_m * pre, ieee_rounding=True)
     step = m * inv_l
     t = (ax * pre) * inv  # as the numba quantizer: each operation rounded on its own
-    if NEAREST:
+    if DITHER:
+        # dither._dither_chunk: floor((x * pre) * inv + u) on the signed value (two's
+        # complement: a level 0 must keep the side u pushes it to), clamped to [-L, L].
+        y = (x * pre) * inv + _dither_uniform(tab_ptr, seed, k.to(tl.int64), local.to(tl.int64), mask)
+        # floor as truncation, less one where that went up (y < 0): tl.floor compiles to
+        # cvt.rmi.ftz, which flushes a negative denormal y (u = 0) to -0 and floors it to 0.
+        fl = y.to(tl.int32)
+        fl = fl - (fl.to(tl.float32) > y).to(tl.int32)  # |y| < L + 2: fl is exact in float32
+        lv = tl.minimum(tl.maximum(fl, -lmax), lmax)
+        lv = tl.where(mask, tl.where(nonzero, lv, 0), 0)
+        q = tl.abs(lv)
+    elif NEAREST:
         # quantize._nearest_chunk: t >= 0, so truncation is floor, and t - floor(t) is exact
         # in float32 (no t + 1/2, which could carry a t just below a half up): halves away
         # from zero, the same levels as the CPU kernel on every input.
@@ -139,9 +189,13 @@ def _quantize_kernel(
     else:
         # t + u >= 0, so the truncating conversion is floor.
         q = tl.minimum((t + _uniform(seed, offs)).to(tl.int32), lmax)
-    q = tl.where(mask, tl.where(nonzero, q, 0), 0)
-    lv = tl.where(x >= 0.0, q, -q)
-    if USE_E:
+    if not DITHER:
+        q = tl.where(mask, tl.where(nonzero, q, 0), 0)
+        lv = tl.where(x >= 0.0, q, -q)
+    if USE_E and DITHER:  # dither_core_ef: the residual carried in is sent now, then empty
+        tl.store(e_ptr + offs, tl.zeros_like(x), mask=mask)
+        tl.store(err_sq_ptr + k, 0.0)
+    elif USE_E:
         e_new = x - lv.to(tl.float32) * step
         e_new = tl.where(nonzero, e_new, x)  # an all-zero bucket keeps x (zeros) as it is
         tl.store(e_ptr + offs, e_new, mask=mask)
@@ -189,22 +243,60 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, lv.to(tl.float32) * step, mask=mask)
 
 
+@triton.jit
+def _rank_value(
+    levels_ptr,
+    steps_ptr,
+    bucket_ptr,
+    seeds_ptr,
+    tab_ptr,
+    r,
+    n,
+    steps_stride,
+    offs,
+    mask,
+    DITHER: tl.constexpr,
+):
+    """Rank r's decoded float32 value at ``offs``: float32(level) * step, or under DITHER
+    dither._undithered with the rank's own uniforms (0 in an all-zero bucket)."""
+    bs = tl.load(bucket_ptr + r)
+    k = offs // bs
+    lv = tl.load(levels_ptr + r * n + offs, mask=mask, other=0).to(tl.float32)
+    st = tl.load(steps_ptr + r * steps_stride + k, mask=mask, other=0.0)
+    if DITHER:
+        u = _dither_uniform(tab_ptr, tl.load(seeds_ptr + r), k, offs - k * bs, mask)
+        v = tl.minimum(tl.maximum((lv + (0.5 - u)) * st, -F32_MAX), F32_MAX)
+        return tl.where(st == 0.0, 0.0, v)
+    return lv * st
+
+
 @triton.jit(do_not_specialize=["n", "world", "steps_stride"])
-def _mean_kernel(levels_ptr, steps_ptr, bucket_ptr, out_ptr, n, world, steps_stride, BLOCK: tl.constexpr):
-    """out = float32((sum over ranks in rank order of float64(float32(level_r) * step_r)) / R)."""
+def _mean_kernel(
+    levels_ptr,
+    steps_ptr,
+    bucket_ptr,
+    seeds_ptr,
+    tab_ptr,
+    out_ptr,
+    n,
+    world,
+    steps_stride,
+    BLOCK: tl.constexpr,
+    DITHER: tl.constexpr,
+):
+    """out = float32((sum over ranks in rank order of float64(value_r)) / R), value_r as
+    ``_rank_value`` decodes it."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    bs = tl.load(bucket_ptr)
-    lv = tl.load(levels_ptr + offs, mask=mask, other=0)
-    st = tl.load(steps_ptr + offs // bs, mask=mask, other=0.0)
     # Rank 0's value starts the sum (not 0.0 + value: that turns -0.0 into +0.0).
-    acc = (lv.to(tl.float32) * st).to(tl.float64)
+    acc = _rank_value(
+        levels_ptr, steps_ptr, bucket_ptr, seeds_ptr, tab_ptr, 0, n, steps_stride, offs, mask, DITHER
+    ).to(tl.float64)
     for r in range(1, world):
-        bs = tl.load(bucket_ptr + r)
-        lv = tl.load(levels_ptr + r * n + offs, mask=mask, other=0)
-        st = tl.load(steps_ptr + r * steps_stride + offs // bs, mask=mask, other=0.0)
-        acc = acc + (lv.to(tl.float32) * st).to(tl.float64)
+        acc = acc + _rank_value(
+            levels_ptr, steps_ptr, bucket_ptr, seeds_ptr, tab_ptr, r, n, steps_stride, offs, mask, DITHER
+        ).to(tl.float64)
     # A float64 ``/`` is IEEE division on NVIDIA (div.rn.f64); Triton's ieee_rounding flag is
     # float32-only (its intrinsic fails to build for doubles).
     mean = acc / world.to(tl.float64)
@@ -238,11 +330,12 @@ def _bucket_errors_kernel(
     NC: tl.constexpr,
     NC_POW2: tl.constexpr,
     NEAREST: tl.constexpr,
+    DITHER: tl.constexpr,
 ):
     """quant_error._bucket_error_sums on the chosen buckets, in one program and in its order.
 
-    out[0:NC] = sum over buckets of (s / L_j)^2 * (fixed-lane float32 sum of f (1 - f), or of
-    min(f, 1 - f)^2 when NEAREST),
+    out[0:NC] = sum over buckets of (s / L_j)^2 * (fixed-lane float32 sum of f (1 - f), of
+    min(f, 1 - f)^2 when NEAREST, of 1/12 when DITHER),
     out[NC] = the fixed-lane float64 sum of x^2 (lanes carried across buckets), out[NC + 1] =
     the number of non-zero buckets. One program on purpose: the CPU's sums are sequential per
     lane, and a sample is a few thousand elements.
@@ -277,7 +370,9 @@ def _bucket_errors_kernel(
                     x = _load_fed(g_ptr, e_ptr, lo + o, msk, USE_E)
                     y = (tl.abs(x) * pre) * inv
                     f = y - y.to(tl.int32).to(tl.float32)
-                    if NEAREST:  # quant_error._frac_term: min(f, 1 - f)^2
+                    if DITHER:  # quant_error._frac_term: 1/12 whatever x
+                        term_f = tl.full([LANES], TWELFTH, tl.float32)
+                    elif NEAREST:  # min(f, 1 - f)^2
                         d = tl.minimum(f, 1.0 - f)
                         term_f = d * d
                     else:

@@ -7,10 +7,11 @@ Interpreted kernels are slow, so tensors stay at a few thousand elements.
 Exact (same bits): scales, residual, the controller's sampled statistics, packing, unpacking,
 dequantization, the rank mean, the payload given the same levels, and the levels themselves
 against the numpy reference of the device quantizer (same counter-based random stream). Under
-round-to-nearest (Tail's default) the levels, residuals and so whole Tail payloads are the
-numba path's, bit for bit. Stochastic levels differ from the numba quantizer's only through
-the random stream; on inputs that lie on the grid they are the same; elsewhere they are
-checked to be on the grid, within one step, and unbiased.
+subtractive dither (Tail's default) and round-to-nearest the levels, residuals and so whole
+Tail payloads are the numba path's, bit for bit (dither's kernels: test_triton_dither.py).
+Stochastic levels differ from the numba quantizer's only through the random stream; on inputs
+that lie on the grid they are the same; elsewhere they are checked to be on the grid, within
+one step, and unbiased.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from tail_ray.compression.quantize import (  # noqa: E402
     quantize_finite,
 )
 from tail_ray.compression.records import Kind, QuantRecord  # noqa: E402
-from tail_ray.compression.rounding import DEVICE_ROUNDINGS  # noqa: E402
+from tail_ray.compression.rounding import ROUNDINGS  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload, encode_payload  # noqa: E402
 from tail_ray.errors import ConfigError  # noqa: E402
@@ -85,7 +86,7 @@ def test_kernel_constants_are_the_grids() -> None:
     assert K.TINY_SCALE.value == float(grid.TINY_SCALE) and K.TINY_PRESCALE.value == float(grid.TINY_PRESCALE)
 
 
-@pytest.mark.parametrize("rounding", DEVICE_ROUNDINGS)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])  # dither: test_triton_dither.py
 @pytest.mark.parametrize(
     ("bits", "bucket", "n", "with_e"),
     [(4, 512, 2000, True), (2, 64, 1000, True), (8, 100, 700, True), (3, 256, 900, False), (5, 8, 203, True)],
@@ -247,7 +248,7 @@ def test_nearest_levels_are_the_cpu_kernels_bit_for_bit(bits: int, bucket: int, 
     np.testing.assert_array_equal(np.abs(lv[3 * bucket : 4 * bucket][halves]), np.floor(t_abs[halves]) + 1)
 
 
-@pytest.mark.parametrize("rounding", DEVICE_ROUNDINGS)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("with_e", [True, False])
 def test_controller_statistics_are_the_cpu_bits(with_e: bool, rounding: str) -> None:
     bucket, n = 128, 1100  # last bucket partial (76 elements: a lane tail)
@@ -339,41 +340,6 @@ def test_cuda_gradients_stay_on_the_device(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.usefixtures("triton_backend")
-def test_dither_is_refused_on_the_device_not_sent_another_way() -> None:
-    """The Triton kernels have no dither (its decoder needs the uniform table on the device):
-    Tail with rounding "dither" on a device gradient raises a ConfigError that says what to set,
-    and so do the kernel entry points, instead of quietly rounding some other way."""
-    from tail_ray.collective.register import make_hook_state
-
-    with pytest.raises(ConfigError, match="CPU kernels only"):  # when the hook is made
-        make_hook_state(torch.nn.Linear(64, 64).to(DEV), "tail", {"rounding": "dither"})
-    make_hook_state(torch.nn.Linear(64, 64).to(DEV), "tail", {"rounding": "auto"})
-    comp = TailCompressor(TailConfig(seed=5, rounding="dither"))
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        comp.compress(_layers(1))
-    g = _grad(1000, 1)
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        dc.quantize(DeviceFlat(_dev(g)), None, 4, 512, seed=1, rounding="dither")
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        dc.quantize_reference(g, None, 4, 512, 1, "dither")
-
-
-@pytest.mark.usefixtures("triton_backend")
-def test_the_default_rounds_to_nearest_on_the_device_with_nearests_budget() -> None:
-    """rounding "auto" is dither where a layer can carry it; on the Triton path it falls back
-    to nearest, with the budget nearest was measured at, and sends no dithered layer."""
-    comp = TailCompressor(TailConfig(seed=5))
-    assert (comp.controller.rounding, comp.controller.allocation) == ("dither", "model")
-    payload = comp.compress(_layers(1))
-    assert comp.controller.rounding == "nearest"
-    assert comp.controller.policy.noise_fraction == TailConfig().noise_fraction
-    # The allocation goes with the rounding: one budget over the model measured no better than
-    # the per-layer rule with nearest (docs/engine.md).
-    assert comp.controller.allocation == "layer"
-    assert not any(isinstance(r, QuantRecord) and r.dither_seed is not None for r in decode_payload(payload))
-
-
-@pytest.mark.usefixtures("triton_backend")
 def test_tail_payload_is_the_cpu_wire_format() -> None:
     """A payload made on the device decodes with the CPU decoder to the records sent, and the
     CPU encoder turns those levels into the very same bytes."""
@@ -418,14 +384,13 @@ def test_tail_decides_the_same_bits_on_both_backends(monkeypatch: pytest.MonkeyP
         np.testing.assert_array_equal(a, b)  # step 0: no residual yet, same inputs
 
 
-def test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Nearest has no random stream and the controller's statistics are the same bits, so
-    over several steps (residuals, re-decisions) the Triton path sends the CPU path's payloads
-    byte for byte; stochastic rounding sends other bytes. TailConfig's rounding "auto" is
-    nearest on the Triton path (which has no dither) and dither on the CPU kernels, so there
-    the two backends' defaults differ. Low-rank is off: it runs on host arrays only."""
+@pytest.mark.parametrize("rounding", ["auto", "nearest"])
+def test_both_backends_send_the_same_bytes(monkeypatch: pytest.MonkeyPatch, rounding: str) -> None:
+    """Dither (the default) draws the CPU's uniforms and nearest has no random stream, and the
+    controller's statistics are the same bits, so over several steps (residuals,
+    re-decisions, the whole-model allocation) the Triton path sends the CPU path's payloads
+    byte for byte; stochastic rounding sends other bytes. Low-rank is off: it runs on host
+    arrays only."""
 
     def payloads(backend: str, rounding: str) -> list[bytes]:
         monkeypatch.setenv(BACKEND_ENV, backend)
@@ -435,13 +400,11 @@ def test_the_default_rounds_to_nearest_and_both_backends_send_the_same_bytes(
         comp = TailCompressor(config)
         return [comp.compress(_layers(20 + step)) for step in range(4)]
 
-    device = payloads("triton", "auto")
-    assert device == payloads("triton", "nearest") == payloads("cpu", "nearest")
+    device = payloads("triton", rounding)
+    assert device == payloads("cpu", rounding)
     assert device != payloads("triton", "stochastic")
-    host_default = payloads("cpu", "auto")
-    assert host_default != device
-    kinds = {rec.kind for p in host_default for rec in decode_payload(p) if isinstance(rec, QuantRecord)}
-    assert kinds == {Kind.QUANT_DITHER}
+    kinds = {rec.kind for p in device for rec in decode_payload(p) if isinstance(rec, QuantRecord)}
+    assert kinds == ({Kind.QUANT_DITHER} if rounding == "auto" else {Kind.QUANT})
 
 
 @pytest.mark.usefixtures("triton_backend")
