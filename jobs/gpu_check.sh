@@ -43,7 +43,8 @@ print(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'"
 arch=$($PY -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(10 * m + n)' 2>/dev/null || echo 90)
 step aot 90 "$PY" -m tail_ray.compression.triton_aot --arch "$arch"
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
-  tests/compression/test_triton_codec.py tests/compression/test_codec_corpus.py tests/jobs/test_bench_gpu.py \
+  tests/compression/test_triton_codec.py tests/compression/test_triton_dither.py tests/compression/test_codec_corpus.py \
+  tests/jobs/test_bench_gpu.py \
   tests/collective/test_decode_average.py
 step bench 300 "$PY" -m jobs.bench_gpu --json "$OUT/bench_gpu.json"
 echo "gpu_check: exit $status (outputs in $OUT)"

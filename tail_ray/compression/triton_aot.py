@@ -5,7 +5,8 @@ the compiler checks: types, constexpr rules, what LLVM and ptxas make of the ari
 module feeds every kernel of ``triton_kernels`` through the real pipeline (TTIR -> LLVM ->
 PTX -> cubin, with the ptxas that ships in the triton wheel) for a chosen NVIDIA target, so a
 CPU-only machine proves the kernels build and can read the PTX they became (no fused
-multiply-adds; IEEE division), which is what bit-exactness on the GPU rests on.
+multiply-adds; IEEE division; no denormal flushed to zero), which is what bit-exactness on the
+GPU rests on.
 
 Run it in a process WITHOUT ``TRITON_INTERPRET`` set (under the interpreter the kernels are not
 compilable objects): ``python -m tail_ray.compression.triton_aot``.
@@ -37,6 +38,12 @@ class Built:
 
     def approximate_divisions(self) -> int:
         return len(re.findall(r"\bdiv\.(approx|full)\.f32\b", self.ptx))
+
+    def flushes_to_zero(self) -> int:
+        """Instructions that flush denormals to zero (``.ftz``): the CPU grid keeps them
+        (``tl.floor`` compiles to ``cvt.rmi.ftz``, which is why the dither kernel floors by
+        truncation)."""
+        return len(re.findall(r"\.ftz\b", self.ptx))
 
 
 _P32, _P64 = "*fp32", "*fp64"
@@ -109,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     bad = 0
     for b in build_all(args.arch):
-        fma, approx = b.fused_multiply_adds(), b.approximate_divisions()
-        bad += fma + approx
-        print(f"{b.name:20s} cubin {b.cubin_bytes:7d} B   fma {fma}   approx div {approx}")
+        fma, approx, ftz = b.fused_multiply_adds(), b.approximate_divisions(), b.flushes_to_zero()
+        bad += fma + approx + ftz
+        print(f"{b.name:20s} cubin {b.cubin_bytes:7d} B   fma {fma}   approx div {approx}   ftz {ftz}")
     return 1 if bad else 0
 
 

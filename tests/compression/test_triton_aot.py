@@ -1,9 +1,11 @@
 """Every device-codec kernel builds for an H100/H200 (sm_90) through Triton's real compiler,
-on this CPU-only machine, and its PTX has no fused multiply-add and no approximate division.
+on this CPU-only machine, and its PTX has no fused multiply-add, no approximate division and
+no flush of denormals to zero.
 
 The interpreter tests (test_triton_codec.py) check what the kernels compute; they cannot see
 what the compiler makes of them (types, constexpr rules, FMA contraction). A subprocess,
-because those tests set TRITON_INTERPRET=1 for the whole pytest process.
+because those tests set TRITON_INTERPRET=1 for the whole pytest process. No ``.ftz`` either:
+a denormal flushed to zero would round differently from the CPU grid.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def test_kernels_compile_for_sm90_without_fma() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if "cubin" in line]
     names = {r[0] for r in rows}
-    for tag in ("nearest", "stochastic"):  # the two roundings are separate compiled kernels
+    for tag in ("dither", "nearest", "stochastic"):  # each rounding is its own compiled kernel
         assert {f"quantize_ef_pack4_{tag}", f"quantize_int8_{tag}", f"bucket_errors_{tag}"} <= names
-    assert {"pack4", "dequantize3", "mean"} <= names
-    for r in rows:
-        assert int(r[2]) > 0 and r[5] == "0" and r[8] == "0", r
+    assert {"quantize_pack4_dither_2k", "pack4", "dequantize3", "mean", "mean_dither"} <= names
+    for r in rows:  # name cubin N B fma N approx div N ftz N
+        assert int(r[2]) > 0 and r[5] == "0" and r[8] == "0" and r[10] == "0", r
