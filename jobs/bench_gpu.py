@@ -6,7 +6,7 @@ parameters, 604 MB; ``--quick``: 2 blocks of d=512), prints and optionally write
   codec rows    GB/s of fp32 gradient, compress and decompress-to-GPU, and the payload ratio:
                 device copy (the yardstick), fp16 cast, plain torch 4-bit bucket quantize +
                 nibble pack (no custom kernel), the Triton kernels alone (error feedback +
-                scales + nearest or stochastic levels + packing, on the device), and the project's
+                scales + dithered, nearest or stochastic levels + packing, on the device), and the project's
                 compressors end to end (qsgd-4, tail) on the Triton backend vs the CPU backend
                 (what CUDA gradients went through before: copy to host, numba, one thread)
   ddp rows      ms per training step of a 5.3M-parameter MLP under DDP at world size 1
@@ -203,12 +203,14 @@ def codec_rows(
         for k, (p, s) in out.items():
             device_codec.dequantize(p, s, 4, 512, big[k].size)
 
-    # Both roundings side by side: nearest (Tail's default) draws no uniforms.
-    for rounding in ("nearest", "stochastic"):
+    # Every rounding side by side: dither (Tail's default) reads the uniform table and keeps no
+    # residual, nearest draws no uniforms, stochastic hashes one per element.
+    for rounding in ("dither", "nearest", "stochastic"):
 
         def kernels_compress(rounding: str = rounding) -> None:
             for k, g in big.items():
-                p, s, _, _ = device_codec.quantize_device(g, resid[k], 4, 512, 7, rounding)
+                e = None if rounding == "dither" else resid[k]
+                p, s, _, _ = device_codec.quantize_device(g, e, 4, 512, 7, rounding)
                 out[k] = (p, s)
 
         c_s = best_s(kernels_compress, device, repeats)
@@ -219,7 +221,8 @@ def codec_rows(
                 big_gb / c_s,
                 big_gb / best_s(kernels_decompress, device, repeats),
                 4 * sum(g.size for g in big.values()) / sent,
-                "EF + scales + levels + pack on the device only: no entropy coding",
+                ("scales + levels + pack" if rounding == "dither" else "EF + scales + levels + pack")
+                + " on the device only: no entropy coding",
             )
         )
 
