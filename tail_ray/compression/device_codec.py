@@ -11,9 +11,9 @@ and only the bit-packed levels (bits/32 of the fp32 gradient), the scales (one f
 bucket) and two scalars cross to the host, where the numba ``unpack_fixed`` turns them into
 int8 levels for the existing entropy coder: the payload is the CPU path's wire format byte
 for byte. On receipt, ``mean_into`` averages every rank's levels into the gradient on the
-device (the grid's rank mean, the same bits as the numba kernel); ``mean_undithered_into``
+device (the grid's rank mean, the same bits as the numba kernel); with ``dither_seeds`` it
 does the same for layers every rank dithered, subtracting each rank's uniforms (dither.py's
-decoder). Dither reads the shipped uniform table, copied to each device once (``_table``).
+``mean_undithered_into``). Dither reads the shipped uniform table, copied to each device once (``_table``).
 
 Also here: the numpy reference of the device quantizer's random stream and of the quantizer
 itself (``uniform_reference``, ``quantize_reference``), which the tests hold the kernels to.
@@ -58,7 +58,7 @@ def _grid(n: int, block: int = _BLOCK) -> tuple[int]:
 
 @functools.cache
 def _table(device: torch.device) -> torch.Tensor:
-    """The dither uniform table (kernel_parts.UNIFORM_TABLE, 256 KiB as int32) on ``device``,
+    """The dither uniform table (kernel_parts.UNIFORM_TABLE, 512 KiB as int32) on ``device``,
     copied once per device: every dithered quantize and mean reads it."""
     return torch.from_numpy(UNIFORM_TABLE.astype(np.int32)).to(device)
 

@@ -50,9 +50,11 @@ _P32, _P64 = "*fp32", "*fp64"
 
 
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
+    # The seed (32 bits) launches as i32 below 2^31 and i64 from there: i64 is built here (the
+    # i32 variant only sign-extends a non-negative value).
     quant_sig = {
         "g_ptr": _P32, "e_ptr": _P32, "scales_ptr": _P32, "levels_ptr": "*u8", "nnz_ptr": "*i32",
-        "err_sq_ptr": _P64, "tab_ptr": "*i32", "n": "i32", "bucket_size": "i32", "seed": "u32",
+        "err_sq_ptr": _P64, "tab_ptr": "*i32", "n": "i32", "bucket_size": "i32", "seed": "i64",
         "lmax": "i32", "inv_l": "fp32", "packed_bytes": "i32",
     }  # fmt: skip
     out: list[tuple[str, object, dict[str, str], dict[str, object]]] = []

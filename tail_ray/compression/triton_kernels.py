@@ -261,11 +261,15 @@ def _rank_value(
     dither._undithered with the rank's own uniforms (0 in an all-zero bucket)."""
     bs = tl.load(bucket_ptr + r)
     k = offs // bs
-    lv = tl.load(levels_ptr + r * n + offs, mask=mask, other=0).to(tl.float32)
-    st = tl.load(steps_ptr + r * steps_stride + k, mask=mask, other=0.0)
+    # In int64: world x n may pass 2^31.
+    lv = tl.load(levels_ptr + n.to(tl.int64) * r + offs, mask=mask, other=0).to(tl.float32)
+    st = tl.load(steps_ptr + steps_stride.to(tl.int64) * r + k, mask=mask, other=0.0)
     if DITHER:
         u = _dither_uniform(tab_ptr, tl.load(seeds_ptr + r), k, offs - k * bs, mask)
-        v = tl.minimum(tl.maximum((lv + (0.5 - u)) * st, -F32_MAX), F32_MAX)
+        # NaN stays NaN (a non-finite scale from a peer), as numba's min/max keep it:
+        # Triton's default max/min would return the bound.
+        v = tl.maximum((lv + (0.5 - u)) * st, -F32_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(v, F32_MAX, propagate_nan=tl.PropagateNan.ALL)
         return tl.where(st == 0.0, 0.0, v)
     return lv * st
 

@@ -113,6 +113,15 @@ def test_the_dithered_rank_mean_on_the_device_is_the_cpus() -> None:
     assert out.cpu().numpy().tobytes() == want.tobytes()
     with pytest.raises(ValueError, match="2 dither seeds for 3 ranks"):
         dc.mean_into(levels, scales, bits_l, buckets, out, dither_seeds=seeds[:2])
+    # A peer's non-finite scale (the wire does not look at floats): NaN stays NaN where the CPU
+    # has it (the clamp to float32's max must not turn it into -max), and inf saturates.
+    scales[0][3], scales[2][0] = np.float32(np.nan), np.float32(np.inf)
+    mean_undithered_into(levels, scales, bits_l, buckets, seeds, want)
+    dc.mean_into(levels, scales, bits_l, buckets, out, dither_seeds=seeds)
+    got = out.cpu().numpy()
+    assert np.isnan(want).any() and (np.isnan(got) == np.isnan(want)).all()
+    finite = ~np.isnan(want)  # NaN payload bits may differ between devices
+    assert got[finite].tobytes() == want[finite].tobytes()
 
 
 @pytest.mark.parametrize("with_e", [False, True])
