@@ -25,6 +25,7 @@ from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import compress_lowrank
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays
+from tail_ray.compression.peer_spread import peer_sums
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into, quantize_finite
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import QuantRecord
@@ -104,10 +105,12 @@ def _means(max_world: int) -> None:
     scales = rng.random(n // 512).astype(np.float32)
     values = rng.standard_normal(n).astype(np.float32)
     out = np.empty(n, np.float32)
+    rec = QuantRecord("w", 4, 512, scales=scales, levels=levels)
     for world in range(1, max_world + 1):
         mean_dequantized_into([levels] * world, [scales] * world, [4] * world, [512] * world, out)
         mean_undithered_into([levels] * world, [scales] * world, [4] * world, [512] * world, [1] * world, out)
         mean_into([values] * world, out)
+        peer_sums([replace(rec, dither_seed=r) for r in range(world)], 7)  # observe_peers' reading
 
 
 def _controller() -> None:

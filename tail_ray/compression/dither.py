@@ -38,6 +38,7 @@ __all__ = [
     "mean_undithered_into",
     "sample_undithered",
     "undither_core",
+    "undithered_at",
 ]
 
 # Subtractive dither (rounding="dither", issue 15): t = x * L / s in two's complement (a
@@ -231,11 +232,27 @@ def mean_undithered_into(
     _mean_undithered_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), seed_arr, UNIFORM_TABLE, out)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def undithered_at(levels, steps, bucket_size, seed, tab, i):  # type: ignore[no-untyped-def]
+    """float64 of the dithered layer's decoded value at element i (the bits ``dequantize(...,
+    dither_seed=seed)`` gives there), drawing only its own uniform; 0 in an all-zero bucket."""
+    k = i // bucket_size
+    j = i - k * bucket_size
+    st = steps[k]
+    if st == 0:
+        return np.float64(0.0)
+    off, rot = _chunk_window(seed, k, j // CHUNK)
+    return np.float64(_undithered(levels[i], uniform(tab[off + j % CHUNK], rot), st))
+
+
 @njit(cache=True, nogil=True)
 def sample_undithered(levels, steps, bucket_size, seed, tab, stride, out):  # type: ignore[no-untyped-def]
-    """out[j] = float64 of the dithered layer's decoded value at i = j * stride (the bits
-    ``dequantize(..., dither_seed=seed)`` gives there), each drawing its own uniform: the
-    controller's strided sample without decoding the rest."""
+    """out[j] = ``undithered_at`` i = j * stride: the controller's strided sample without
+    decoding the rest. A chunk's draw is made once for all its sampled elements (the same
+    uniforms: most samples share their chunk with the one before)."""
+    k_at = c_at = -1
+    off = np.int64(0)
+    rot = np.float32(0.0)
     for jj in range(out.size):
         i = jj * stride
         k = i // bucket_size
@@ -244,5 +261,8 @@ def sample_undithered(levels, steps, bucket_size, seed, tab, stride, out):  # ty
         if st == 0:
             out[jj] = 0.0
             continue
-        off, rot = _chunk_window(seed, k, j // CHUNK)
+        c = j // CHUNK
+        if k != k_at or c != c_at:
+            off, rot = _chunk_window(seed, k, c)
+            k_at, c_at = k, c
         out[jj] = np.float64(_undithered(levels[i], uniform(tab[off + j % CHUNK], rot), st))

@@ -35,9 +35,9 @@ from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.grid import F32_MAX
 from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
+from tail_ray.compression.peer_spread import peer_sums
 from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
-from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail_config import TailConfig
 from tail_ray.errors import ConfigError
@@ -350,14 +350,14 @@ class TailCompressor(RecordCompressor):
                 continue
             stride = max(1, first.numel // _SPREAD_SAMPLE_NUMEL)
             try:
-                # (world, n_sample) float64: every rank's layer at the same strided positions.
-                stack = sample_stack([d[name] for d in records_by_rank], stride)
+                # Every rank's layer at the same strided positions (peer_spread.py).
+                sums = peer_sums([d[name] for d in records_by_rank], stride)
             except (KeyError, RuntimeError):
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
-            n_sample = stack.shape[1]
-            spread = float((stack - stack.mean(dim=0)).pow(2).sum()) / (world - 1) / n_sample
-            mean_sq = float(stack.pow(2).sum(dim=1).mean()) / n_sample
+            n_sample = sums.n
+            spread = sums.spread / (world - 1) / n_sample
+            mean_sq = sums.power / world / n_sample
             # Nothing compressed here yet: all of the spread is taken as SGD noise.
             compression = self._compression_sq.get(name, 0.0)
             # The gradient power from all workers (decoded minus compression), not just this
@@ -369,8 +369,7 @@ class TailCompressor(RecordCompressor):
                 # The second stage compresses the mean m of these W decoded gradients. Its SGD
                 # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
                 # compression noise the mean still carries (compression / W).
-                mean_row = stack.mean(dim=0)
-                m_sq = float(mean_row.pow(2).sum()) / n_sample
+                m_sq = sums.mean / n_sample
                 sgd = max(0.0, spread - compression) / world
                 for budget in self._mean_budgets:
                     budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)

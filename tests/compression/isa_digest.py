@@ -25,6 +25,7 @@ from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays, power_step_arrays
+from tail_ray.compression.peer_spread import peer_sums
 from tail_ray.compression.quantize import (
     dequantize,
     mean_dequantized_into,
@@ -183,6 +184,9 @@ def digests() -> dict[str, str]:
         for (lv, sc), b in zip(ranks, (2, 3, 4, 8), strict=True)
     ]
     record("sample_stack", lambda: [sample_stack(records, s).numpy() for s in (1, 7)])
+    # observe_peers' sums: plain, dithered and mixed ranks, fixed lanes.
+    groups = (records, dith, [dith[0], records[1], dith[2]])
+    record("peer_sums", lambda: [np.array(peer_sums(recs, s)[:3]) for recs in groups for s in (1, 7)])
 
     record(
         "relative_errors",
