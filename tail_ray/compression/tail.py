@@ -47,8 +47,11 @@ __all__ = ["TailCompressor", "TailConfig"]
 log = logging.getLogger(__name__)
 
 # Peers' spread is measured on at most this many elements per layer (a strided view): the
-# estimate only needs to be right to a factor of ~1.5, and this keeps observe_peers cheap.
-_SPREAD_SAMPLE_NUMEL = 16384
+# estimate only needs to be right to a factor of ~1.5, and this keeps observe_peers cheap. On
+# the char LM's layers a 4,096-element sample's relative spread is within 2-6 % (sd) of a
+# 16,384-element one's, with no bias past 1 %, while the reading itself moves 10-37 % from one
+# step to the next (W = 2): the budget's running average cannot tell them apart (stop 40).
+_SPREAD_SAMPLE_NUMEL = 4096
 # With error feedback at relative error nu the residual settles at ||e||^2 = nu / (1 - nu) ||g||^2
 # (1x at tau_max = 0.5); past this many times ||g||^2 the layer is re-decided at once. An
 # unstable plan (nu ~ 2 at 2 bits) crosses it within ~3-4 steps.
