@@ -105,12 +105,10 @@ def _means(max_world: int) -> None:
     scales = rng.random(n // 512).astype(np.float32)
     values = rng.standard_normal(n).astype(np.float32)
     out = np.empty(n, np.float32)
-    rec = QuantRecord("w", 4, 512, scales=scales, levels=levels)
     for world in range(1, max_world + 1):
         mean_dequantized_into([levels] * world, [scales] * world, [4] * world, [512] * world, out)
         mean_undithered_into([levels] * world, [scales] * world, [4] * world, [512] * world, [1] * world, out)
         mean_into([values] * world, out)
-        peer_sums([replace(rec, dither_seed=r) for r in range(world)], 7)  # observe_peers' reading
 
 
 def _controller() -> None:
@@ -122,6 +120,7 @@ def _controller() -> None:
     rec = QuantRecord("w", 4, 512, scales=np.abs(g[: -(-g.size // 512)]), levels=np.zeros(g.size, np.int8))
     sample_stack([rec, rec], 7)
     sample_stack([replace(rec, dither_seed=1), replace(rec, dither_seed=2)], 7)  # dither's sample
+    peer_sums([rec, replace(rec, dither_seed=1)], 7)  # observe_peers' sums: one kernel, any world
 
 
 def warmup(
