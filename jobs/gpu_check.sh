@@ -44,6 +44,7 @@ arch=$($PY -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(1
 step aot 90 "$PY" -m tail_ray.compression.triton_aot --arch "$arch"
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
   tests/compression/test_triton_codec.py tests/compression/test_triton_dither.py tests/compression/test_codec_corpus.py \
+  tests/compression/test_lowrank_device.py \
   tests/jobs/test_bench_gpu.py \
   tests/collective/test_decode_average.py
 step bench 300 "$PY" -m jobs.bench_gpu --json "$OUT/bench_gpu.json"

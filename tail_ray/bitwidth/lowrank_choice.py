@@ -42,7 +42,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from tail_ray.bitwidth.lowrank_energy import captured_energy, warm_linalg
@@ -55,8 +54,7 @@ from tail_ray.bitwidth.lowrank_state import (
     layer_to_state,
     settings_changes,
 )
-from tail_ray.compression.fixedsum import sum_squares
-from tail_ray.compression.lowrank import factor_bytes, max_rank, power_step
+from tail_ray.compression.lowrank import Matrix, factor_bytes, max_rank, trial_view
 from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -172,7 +170,7 @@ class LowRankChooser:
         self,
         name: str,
         shape: tuple[int, int],
-        compensated: np.ndarray | None,
+        compensated: Matrix | None,
         nu_quant: float,
         step: int,
     ) -> int:
@@ -222,7 +220,7 @@ class LowRankChooser:
         nu = min(max(float(nu_quant), 0.0), 0.99)
         return nu / (1 - nu)
 
-    def _trial(self, name: str, layer: LayerState, compensated: np.ndarray, target: float) -> float:
+    def _trial(self, name: str, layer: LayerState, compensated: Matrix, target: float) -> float:
         """How far the best affordable rank's estimate is from the target (<= 1: it met it, and
         the layer is low-rank from now; inf: nothing to try)."""
         ranks = self._affordable(layer)
@@ -235,16 +233,16 @@ class LowRankChooser:
             self.trial_times_s.append((time.perf_counter() - wall0, time.thread_time() - cpu0))
 
     def _run_trial(
-        self, name: str, layer: LayerState, compensated: np.ndarray, target: float, ranks: list[int]
+        self, name: str, layer: LayerState, compensated: Matrix, target: float, ranks: list[int]
     ) -> float:
         top = ranks[-1]
-        m = torch.from_numpy(compensated).view(layer.rows, layer.cols)
+        m, m_sq, power_step = trial_view(compensated, layer.rows, layer.cols)
         # ||M||^2 by the project's fixed-order numba sum, not np.dot: numpy's OpenBLAS runs a
         # dot product of over 10k elements on all its threads, and with the cores busy (the
         # other ranks, a neighbour) the caller spins on threads that are not running: this line
         # was most of the trials' fat tail (issue 15: 2-12 ms, LM layers of 16k-65k elements).
-        # Its bits then no longer depend on the BLAS's thread count either.
-        m_sq = float(sum_squares(compensated))
+        # Its bits then no longer depend on the BLAS's thread count either. (A CUDA layer's M
+        # stays on its device: its norm and products are computed there, lowrank_device.py.)
         if not (m_sq > 0 and math.isfinite(m_sq)):
             return math.inf
         q = layer.trial_q

@@ -11,7 +11,8 @@ Two entry points, bit-identical to each other on the same payloads:
   is averaged in one pass too, each rank's uniforms subtracted (``dither.mean_undithered_into``
   on the host, ``device_codec.mean_into`` with the ranks' seeds on the device). Any other
   layer (raw, sparse, or a mix, e.g. one rank sent a non-finite layer raw) is decoded to
-  tensors and averaged as above.
+  tensors and averaged as above; into a CUDA gradient, a layer sent low-rank is reconstructed
+  and averaged on the device (``lowrank_device``: the same bits).
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
 divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
@@ -33,7 +34,7 @@ from tail_ray.compression.device import uses_triton
 from tail_ray.compression.dither import mean_undithered_into
 from tail_ray.compression.quantize import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import record_to_flat
-from tail_ray.compression.records import LayerRecord, QuantRecord, decodable_seed
+from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, decodable_seed
 from tail_ray.errors import CodecError
 
 T = TypeVar("T")
@@ -118,6 +119,26 @@ def _fused_mean(g: torch.Tensor, recs: list[QuantRecord], seeds: list[int] | Non
         g.copy_(torch.from_numpy(out).view(g.shape))
 
 
+def _device_mean(g: torch.Tensor, recs: list[LayerRecord]) -> None:
+    """g <- the grid's rank mean, on g's device, of layers some rank sent low-rank: each
+    product of factors is formed there (lowrank_device.py), any other record decoded on the
+    host and copied up."""
+    from tail_ray.compression import lowrank_device
+
+    dev = g.device
+    decoded = [
+        lowrank_device.reconstruct_on(r, dev)
+        if isinstance(r, LowRankRecord)
+        else torch.from_numpy(record_to_flat(r)).to(dev)
+        for r in recs
+    ]
+    fits = g.dtype == torch.float32 and g.is_contiguous()
+    dst = g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=dev)
+    lowrank_device.mean_tensors_on_device(decoded, dst)
+    if not fits:
+        g.copy_(dst.view(g.shape))
+
+
 def mean_records_into(
     records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
 ) -> None:
@@ -134,5 +155,7 @@ def mean_records_into(
             _fused_mean(g, dithered, [int(s) for s in seeds if s is not None])
         elif len(quant) == len(recs):
             _fused_mean(g, quant, None)
+        elif uses_triton(g) and any(isinstance(r, LowRankRecord) for r in recs):
+            _device_mean(g, recs)
         else:  # a mix: each decoded on its own (record_to_flat), then the mean
             _copy_mean(g, [record_to_flat(rec) for rec in recs])

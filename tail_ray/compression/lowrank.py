@@ -22,13 +22,22 @@ fastmath), so every receiver and the sender's residual get the same bits on any 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from numba import njit
 
+from tail_ray.compression.device import DeviceFlat, LayerArray
+from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.lowrank_kernels import power_step_arrays
 from tail_ray.compression.quantize import dequantize, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.records import LowRankRecord
+
+# M = g + e of a layer: numpy for the host path, a flat float32 tensor on the gradient's device
+# for a CUDA layer (lowrank_device.py), which never leaves it.
+Matrix = np.ndarray | torch.Tensor
+PowerStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Salt of the factors' stochastic-rounding seed (P and Q must not share the quantizer's draws).
 _P_SALT = 0x5BD1E995
@@ -112,6 +121,25 @@ def power_step(m: torch.Tensor, q_warm: torch.Tensor) -> tuple[torch.Tensor, tor
     return torch.from_numpy(p), torch.from_numpy(q)
 
 
+def quantize_factors(
+    name: str,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    rows: int,
+    cols: int,
+    *,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+) -> LowRankRecord:
+    """The record that sends P (rows x rank) and Q (cols x rank), each transposed to rank-major
+    and quantized on Tail's grid from its own salt of ``seed``."""
+    p_levels, p_scales = _quantize_factor(p.T.contiguous().numpy(), bits, bucket_size, seed ^ _P_SALT)
+    q_levels, q_scales = _quantize_factor(q.T.contiguous().numpy(), bits, bucket_size, seed ^ _Q_SALT)
+    rank = int(q.shape[1])
+    return LowRankRecord(name, rows, cols, rank, bits, bucket_size, p_scales, p_levels, q_scales, q_levels)
+
+
 def compress_lowrank(
     name: str,
     compensated: np.ndarray,
@@ -127,15 +155,63 @@ def compress_lowrank(
 
     Returns the record, the next warm start (Q, unquantized, cols x rank) and what the
     receivers will reconstruct from the record (flat float32): the caller's new residual is
-    ``compensated - reconstruction``, exactly.
+    ``compensated - reconstruction``, exactly. (A CUDA layer: lowrank_device.py.)
     """
     m = torch.from_numpy(compensated).view(rows, cols)
     p, q = power_step(m, q_warm)
-    rank = int(q_warm.shape[1])
-    p_levels, p_scales = _quantize_factor(p.T.contiguous().numpy(), bits, bucket_size, seed ^ _P_SALT)
-    q_levels, q_scales = _quantize_factor(q.T.contiguous().numpy(), bits, bucket_size, seed ^ _Q_SALT)
-    rec = LowRankRecord(name, rows, cols, rank, bits, bucket_size, p_scales, p_levels, q_scales, q_levels)
+    rec = quantize_factors(name, p, q, rows, cols, bits=bits, bucket_size=bucket_size, seed=seed)
     return rec, q, reconstruct(rec)
+
+
+def compensated_of(feedback: ErrorFeedback, name: str, g: LayerArray) -> Matrix:
+    """M = g + e for a low-rank step or trial: on the host for a numpy layer, on the device for a
+    CUDA one (its residual moved there, once, if it was on the host)."""
+    if isinstance(g, DeviceFlat):
+        from tail_ray.compression import lowrank_device
+
+        return lowrank_device.compensate(g, feedback.device_buffer(name, g.size, g.tensor.device))
+    return feedback.compensate(name, g)
+
+
+def trial_view(compensated: Matrix, rows: int, cols: int) -> tuple[torch.Tensor, float, PowerStep]:
+    """A trial's M as a rows x cols tensor, ||M||^2 (the project's fixed-order sum on the host),
+    and the power step that runs where M is."""
+    if isinstance(compensated, np.ndarray):
+        return torch.from_numpy(compensated).view(rows, cols), float(sum_squares(compensated)), power_step
+    from tail_ray.compression import lowrank_device
+
+    m_sq = lowrank_device.sum_squares(compensated)
+    return compensated.view(rows, cols), m_sq, lowrank_device.power_step_device
+
+
+def send_lowrank(
+    feedback: ErrorFeedback,
+    name: str,
+    compensated: Matrix,
+    shape: tuple[int, int],
+    q_warm: torch.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    seed: int,
+) -> tuple[LowRankRecord, torch.Tensor, float, float]:
+    """Factor M = ``compensated`` where it is and leave M less what receivers reconstruct in the
+    layer's residual: (record, next warm start Q, ||e||^2 left, ||M||^2)."""
+    rows, cols = shape
+    if isinstance(compensated, np.ndarray):
+        rec, q_next, recon = compress_lowrank(
+            name, compensated, rows, cols, q_warm, bits=bits, bucket_size=bucket_size, seed=seed
+        )
+        feedback.update(name, compensated, recon)
+        return rec, q_next, feedback.norm_sq(name), float(sum_squares(compensated))
+    from tail_ray.compression import lowrank_device
+
+    rec, q_next, recon_dev = lowrank_device.compress_lowrank_device(
+        name, compensated, rows, cols, q_warm, bits=bits, bucket_size=bucket_size, seed=seed
+    )
+    e = feedback.device_buffer(name, compensated.numel(), compensated.device)
+    feedback.measured(name, lowrank_device.update_residual(e, compensated, recon_dev))
+    return rec, q_next, feedback.norm_sq(name), lowrank_device.sum_squares(compensated)
 
 
 def residual_norm_sq(residual: np.ndarray) -> float:

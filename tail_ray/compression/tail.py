@@ -33,7 +33,7 @@ from tail_ray.compression.device import LayerArray
 from tail_ray.compression.dither import dither_error_sq
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.grid import F32_MAX
-from tail_ray.compression.lowrank import compress_lowrank, matrix_shape, max_rank
+from tail_ray.compression.lowrank import compensated_of, matrix_shape, max_rank, send_lowrank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
 from tail_ray.compression.peer_spread import peer_sums
 from tail_ray.compression.quantize import layer_seed, sum_squares
@@ -162,13 +162,14 @@ class TailCompressor(RecordCompressor):
     ) -> CompressedLayer | None:
         """The layer as low-rank factors when the chooser says so (None: quantize it)."""
         chooser, feedback = self.lowrank, self.feedback
-        if chooser is None or feedback is None or not isinstance(g, np.ndarray):
+        if chooser is None or feedback is None:
             return None
         shape = matrix_shape(self._shapes.get(name, ()))
         if shape is None or shape[0] * shape[1] != g.size or max_rank(*shape) < chooser.settings.ranks[0]:
             return None
         spent = chooser.decision_s
-        compensated = feedback.compensate(name, g) if chooser.needs_trial(name, step) else None
+        # M = g + e where the layer is: numpy, or on its device (a CUDA layer: lowrank_device.py)
+        compensated = compensated_of(feedback, name, g) if chooser.needs_trial(name, step) else None
         want = chooser.choose(name, shape, compensated, nu_quant, step)
         self.controller.decision_s += chooser.decision_s - spent
         # Sent: the rank every rank agreed on from the last exchange's wants (this rank's own
@@ -178,27 +179,24 @@ class TailCompressor(RecordCompressor):
             self.agreement.sent_q.pop(name, None)
             return None
         if compensated is None:
-            compensated = feedback.compensate(name, g)
+            compensated = compensated_of(feedback, name, g)
         # Warm start: the Q this rank last sent, when the agreed rank is not this rank's own
         # choice; else the chooser's own (fitted only now, when it is sent: lowrank_choice).
         sent_q = self.agreement.sent_q.get(name)
         own_rank = chooser.rank_of(name)
         base = sent_q if sent_q is not None and own_rank != rank else chooser.warm_start(name)
         q_warm = chooser.fit_warm(base, shape[1], rank)
-        rec, q_next, recon = compress_lowrank(
+        # Exact error feedback: the residual is M minus what every receiver reconstructs.
+        rec, q_next, e_sq, m_sq = send_lowrank(
+            feedback,
             name,
             compensated,
-            shape[0],
-            shape[1],
+            shape,
             q_warm,
             bits=chooser.settings.bits,
             bucket_size=self.config.bucket_size,
             seed=layer_seed(self._seed, step, name),
         )
-        # Exact error feedback: the residual is M minus what every receiver reconstructs.
-        feedback.update(name, compensated, recon)
-        e_sq = feedback.norm_sq(name)
-        m_sq = float(sum_squares(compensated))
         spent = chooser.decision_s
         if want:  # else sent at a rank only others wanted ("any"): this chooser stays quantized
             chooser.observe_lowrank(

@@ -23,6 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tail_ray.compression import lowrank_device as LD
 from tail_ray.compression import triton_kernels as K
 
 
@@ -95,6 +96,9 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                      "bucket_size": "i32", "lmax_ptr": "*i32", "out_ptr": _P64},
                     {"USE_E": True, "NC": 6, "NC_POW2": 8, "NEAREST": nearest,
                      "DITHER": dither}))  # fmt: skip
+    out.append(("lowrank_reconstruct", LD._reconstruct_kernel,
+                {"p_ptr": _P32, "q_ptr": _P32, "out_ptr": _P32, "rows": "i32", "cols": "i32", "rank": "i32"},
+                {"BLOCK_R": 32, "BLOCK_C": 64}))  # fmt: skip
     out.append(("sum_squares", K._sum_squares_kernel, {"x_ptr": _P32, "partial_ptr": _P64, "n": "i32"},
                 {"BLOCK": 1024}))  # fmt: skip
     return out

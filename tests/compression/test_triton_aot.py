@@ -39,5 +39,6 @@ def test_kernels_compile_for_sm90_without_fma() -> None:
     for tag in ("dither", "nearest", "stochastic"):  # each rounding is its own compiled kernel
         assert {f"quantize_ef_pack4_{tag}", f"quantize_int8_{tag}", f"bucket_errors_{tag}"} <= names
     assert {"quantize_pack4_dither_2k", "pack4", "dequantize3", "mean", "mean_dither"} <= names
+    assert "lowrank_reconstruct" in names  # lowrank_device.py
     for r in rows:  # name cubin N B fma N approx div N ftz N
         assert int(r[2]) > 0 and r[5] == "0" and r[8] == "0" and r[10] == "0", r
