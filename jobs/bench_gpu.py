@@ -6,7 +6,8 @@ parameters, 604 MB; ``--quick``: 2 blocks of d=512), prints and optionally write
   codec rows    GB/s of fp32 gradient, compress and decompress-to-GPU, and the payload ratio:
                 device copy (the yardstick), fp16 cast, plain torch 4-bit bucket quantize +
                 nibble pack (no custom kernel), the Triton kernels alone (error feedback +
-                scales + dithered, nearest or stochastic levels + packing, on the device), and the project's
+                scales + dithered, nearest or stochastic levels + packing, on the device), one
+                low-rank step of block 0's matrices on the device vs the host, and the project's
                 compressors end to end (qsgd-4, tail) on the Triton backend vs the CPU backend
                 (what CUDA gradients went through before: copy to host, numba, one thread)
   ddp rows      ms per training step of a 5.3M-parameter MLP under DDP at world size 1
@@ -226,6 +227,7 @@ def codec_rows(
             )
         )
 
+    rows += lowrank_rows(grads, device, slow_repeats)
     compressors: list[tuple[str, Callable[[], Any]]] = [
         ("qsgd-4", lambda: QSGDCompressor(QSGDConfig(bits=4, seed=1))),
         ("tail", lambda: TailCompressor(TailConfig(seed=1))),
@@ -243,6 +245,43 @@ def codec_rows(
             note = "today's path: to host, numba, 1 thread" if be == "cpu" else "kernels + CPU entropy coder"
             row(what, c_s, d_s, 4 * numel / len(payload), note)
     return rows
+
+
+def lowrank_rows(grads: dict[str, torch.Tensor], device: torch.device, repeats: int) -> list[CodecRow]:
+    """One low-rank step (power step, factors quantized, reconstruction, residual) of the first
+    block's four matrices at rank 8, on the device (lowrank_device.py) and on the host (the CPU
+    path's fixed-order numba products, one thread), side by side."""
+    import numpy as np
+
+    from tail_ray.compression.lowrank import compress_lowrank
+    from tail_ray.compression.lowrank_device import compress_lowrank_device
+
+    mats = {k: g for k, g in grads.items() if k.startswith("blocks.0.") and g.dim() == 2}
+    gb = 4 * sum(g.numel() for g in mats.values()) / 1e9
+    gen = torch.Generator().manual_seed(3)
+    warm = {k: torch.randn(g.shape[1], 8, generator=gen) for k, g in mats.items()}
+    host = {k: g.reshape(-1).cpu().numpy() for k, g in mats.items()}
+    sent: dict[str, int] = {}
+
+    def on_device() -> None:
+        for k, g in mats.items():
+            m = g.reshape(-1)
+            rec, _, recon = compress_lowrank_device(k, m, *g.shape, warm[k], bits=8, bucket_size=512, seed=1)
+            torch.sub(m, recon)
+            sent[k] = rec.p_levels.size + rec.q_levels.size + 4 * (rec.p_scales.size + rec.q_scales.size)
+
+    def on_host() -> None:
+        for k, g in mats.items():
+            _, _, recon = compress_lowrank(k, host[k], *g.shape, warm[k], bits=8, bucket_size=512, seed=1)
+            np.subtract(host[k], recon)
+
+    d_s, h_s = best_s(on_device, device, repeats), best_s(on_host, device, max(1, repeats // 2))
+    ratio = 4 * sum(g.numel() for g in mats.values()) / sum(sent.values())
+    note = "power step + factors + reconstruction + residual, block 0's matrices"
+    return [
+        CodecRow("low-rank r8 step, device", gb / d_s, None, ratio, note + " (lowrank_device)"),
+        CodecRow("low-rank r8 step, host", gb / h_s, None, ratio, note + " (numba, 1 thread)"),
+    ]
 
 
 def _free_port() -> int:
