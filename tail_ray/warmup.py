@@ -26,7 +26,8 @@ from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import compress_lowrank
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays
 from tail_ray.compression.peer_spread import peer_sums
-from tail_ray.compression.quantize import mean_dequantized_into, mean_into, quantize_finite
+from tail_ray.compression.quantize import quantize_finite
+from tail_ray.compression.rank_mean import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.wire import decode_payload, encode_payload

@@ -4,7 +4,7 @@ Two entry points, bit-identical to each other on the same payloads:
 - ``mean_tensors_into``: decoded tensors (any compressor's ``decompress``);
 - ``mean_records_into``: decoded records (levels and scales, not yet dequantized). A layer
   quantized on every rank is dequantized, summed and divided in one numba pass
-  (``quantize.mean_dequantized_into``) straight into the gradient when it is CPU fp32
+  (``rank_mean.mean_dequantized_into``) straight into the gradient when it is CPU fp32
   contiguous: no per-rank float32 copy; into a CUDA gradient (Triton backend,
   ``device.uses_triton``) the same arithmetic runs as one Triton kernel on the device
   (``device_codec.mean_into``: int8 levels up, nothing back). A layer dithered on every rank
@@ -15,7 +15,7 @@ Two entry points, bit-identical to each other on the same payloads:
   and averaged on the device (``lowrank_device``: the same bits).
 
 Both compute the grid's rank mean (tail_ray/compression/grid.py: float64 sum in rank order,
-divided by the number of ranks in float64, rounded to float32), through ``quantize.mean_into``
+divided by the number of ranks in float64, rounded to float32), through ``rank_mean.mean_into``
 or its fused form, so a layer averages to the same bits whichever path it takes and on any
 CPU. Both check every layer of every rank before writing anything: a payload that lacks a
 layer or sizes it differently is a ``CodecError`` naming the rank and the layer, and leaves
@@ -32,7 +32,8 @@ import torch
 
 from tail_ray.compression.device import uses_triton
 from tail_ray.compression.dither import mean_undithered_into
-from tail_ray.compression.quantize import mean_dequantized_into, mean_into
+from tail_ray.compression.peer_spread import PeerSums, sampled_sums
+from tail_ray.compression.rank_mean import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import record_to_flat
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, decodable_seed
 from tail_ray.errors import CodecError
@@ -90,10 +91,13 @@ def mean_tensors_into(
         _copy_mean(g, tensors)
 
 
-def _fused_mean(g: torch.Tensor, recs: list[QuantRecord], seeds: list[int] | None) -> None:
+def _fused_mean(
+    g: torch.Tensor, recs: list[QuantRecord], seeds: list[int] | None, stride: int
+) -> PeerSums | None:
     """g <- the grid's rank mean of quantized layers in one pass, each rank's uniforms
     subtracted when ``seeds`` (every rank dithered): on the device for a Triton gradient,
-    else on the host straight into g where it is CPU fp32 contiguous."""
+    else on the host straight into g where it is CPU fp32 contiguous. With ``stride`` > 0 also
+    the layer's peer-spread sums at that stride (peer_spread.py), read by the host's mean pass."""
     parts = (
         [r.levels for r in recs],
         [r.scales for r in recs],
@@ -103,20 +107,29 @@ def _fused_mean(g: torch.Tensor, recs: list[QuantRecord], seeds: list[int] | Non
     if uses_triton(g):
         from tail_ray.compression import device_codec
 
+        sampled = _sampled(recs, stride)
         fits = g.dtype == torch.float32 and g.is_contiguous()
         dst = g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=g.device)
         device_codec.mean_into(*parts, dst, dither_seeds=seeds)
         if not fits:
             g.copy_(dst.view(g.shape))
-        return
+        return sampled
     direct = g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous()
     out = g.detach().view(-1).numpy() if direct else np.empty(g.numel(), dtype=np.float32)
     if seeds is not None:
-        mean_undithered_into(*parts, seeds, out)
+        sums = mean_undithered_into(*parts, seeds, out, sample_stride=stride)
     else:
-        mean_dequantized_into(*parts, out)
+        sums = mean_dequantized_into(*parts, out, sample_stride=stride)
     if not direct:
         g.copy_(torch.from_numpy(out).view(g.shape))
+    if sums is None:
+        return None
+    n_sample = (g.numel() + stride - 1) // stride
+    return PeerSums(float(sums[0]), float(sums[1]), float(sums[2]), n_sample, len(recs))
+
+
+def _sampled(recs: Sequence[LayerRecord], stride: int) -> PeerSums | None:
+    return sampled_sums(recs, stride) if stride > 0 else None
 
 
 def _device_mean(g: torch.Tensor, recs: list[LayerRecord]) -> None:
@@ -140,22 +153,36 @@ def _device_mean(g: torch.Tensor, recs: list[LayerRecord]) -> None:
 
 
 def mean_records_into(
-    records_by_rank: Sequence[Mapping[str, LayerRecord]], into: Mapping[str, torch.Tensor]
-) -> None:
+    records_by_rank: Sequence[Mapping[str, LayerRecord]],
+    into: Mapping[str, torch.Tensor],
+    *,
+    sample_strides: Mapping[str, int] | None = None,
+) -> dict[str, PeerSums]:
     """Write the mean over ranks of each layer of ``into`` (decoded records) into it,
-    bit-identical to ``mean_tensors_into`` on the same payloads decoded to tensors."""
+    bit-identical to ``mean_tensors_into`` on the same payloads decoded to tensors.
+
+    ``sample_strides``: the layers whose peer-spread sums (peer_spread.py) the caller wants, at
+    what stride; they are returned by layer name, the same bits as ``peer_sums`` of the records
+    (read by the fused mean where it runs on the host; else sampled before the layer's mean is
+    written, which a rank's own raw record may alias)."""
     if not records_by_rank:
         raise ValueError("nothing to average: no payloads")
     layers = _by_layer(records_by_rank, into, lambda rec: rec.numel)
-    for g, recs in zip(into.values(), layers, strict=True):
+    strides = sample_strides or {}
+    sums: dict[str, PeerSums | None] = {}
+    for (name, g), recs in zip(into.items(), layers, strict=True):
+        stride = strides.get(name, 0)
         quant = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is None]
         dithered = [r for r in recs if isinstance(r, QuantRecord) and r.dither_seed is not None]
         if len(dithered) == len(recs):  # every rank dithered it: the fused mean subtracts each u
             seeds = [decodable_seed(r) for r in dithered]
-            _fused_mean(g, dithered, [int(s) for s in seeds if s is not None])
+            sums[name] = _fused_mean(g, dithered, [int(s) for s in seeds if s is not None], stride)
         elif len(quant) == len(recs):
-            _fused_mean(g, quant, None)
+            sums[name] = _fused_mean(g, quant, None, stride)
         elif uses_triton(g) and any(isinstance(r, LowRankRecord) for r in recs):
+            sums[name] = _sampled(recs, stride)
             _device_mean(g, recs)
         else:  # a mix: each decoded on its own (record_to_flat), then the mean
+            sums[name] = _sampled(recs, stride)
             _copy_mean(g, [record_to_flat(rec) for rec in recs])
+    return {name: got for name, got in sums.items() if got is not None}

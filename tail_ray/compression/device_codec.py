@@ -241,7 +241,7 @@ def mean_into(
     out: torch.Tensor,
     dither_seeds: Sequence[int] | None = None,
 ) -> None:
-    """``quantize.mean_dequantized_into`` on the device: the grid's rank mean of every rank's
+    """``rank_mean.mean_dequantized_into`` on the device: the grid's rank mean of every rank's
     levels written into ``out`` (the gradient: float32, contiguous, on the device). The int8
     levels (a quarter of fp32) and the steps go up; nothing comes back. With
     ``dither_seeds`` (every rank's, in rank order) it is ``dither.mean_undithered_into``:

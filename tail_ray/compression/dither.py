@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.fixedsum import LANES, add_spread_segment, first_sample, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, bucket_steps, rank_steps
 from tail_ray.compression.kernel_parts import (
     CHUNK,
@@ -180,15 +181,17 @@ def dither_error_sq(scales: np.ndarray, bits: int, bucket_size: int, numel: int)
 
 
 @njit(cache=True, nogil=True)
-def _mean_undithered_core(levels_t, steps_t, bucket_sizes, seeds, tab, out):  # type: ignore[no-untyped-def]
-    """``_mean_dequantized_core`` for ranks that all dithered the layer: each rank's value is
-    ``_undithered`` with its own seed's uniforms, then the grid's float64 rank mean. Segments
-    end at every rank's bucket and uniform-chunk boundaries, so each rank draws once per
-    segment."""
+def _mean_undithered_core(levels_t, steps_t, bucket_sizes, seeds, tab, out, stride, sums):  # type: ignore[no-untyped-def]
+    """``_mean_dequantized_core`` (rank_mean.py) for ranks that all dithered the layer: each
+    rank's value is ``_undithered`` with its own seed's uniforms, then the grid's float64 rank
+    mean. Segments end at every rank's bucket and uniform-chunk boundaries, so each rank draws
+    once per segment. ``stride`` > 0: the peer-spread sums too, as there."""
     n = out.size
     world = len(levels_t)
     wf = np.float64(world)
     buf = np.empty(MEAN_TILE, np.float64)
+    samp = np.empty((world, MEAN_TILE // max(stride, 1) + 1), np.float64)
+    lanes = np.zeros((3, LANES), np.float64)
     lo = 0
     while lo < n:
         hi = min(n, lo + MEAN_TILE)
@@ -208,10 +211,20 @@ def _mean_undithered_core(levels_t, steps_t, bucket_sizes, seeds, tab, out):  # 
             for i in range(m):
                 v = np.float32(0.0) if st == 0 else _undithered(lv[i], uniform(tab[t0 + i], rot), st)
                 buf[i] = np.float64(v) if r == 0 else buf[i] + np.float64(v)
+            if stride > 0:
+                for t, p in enumerate(range(first_sample(lo, stride), hi, stride)):
+                    i = p - lo
+                    v = np.float32(0.0) if st == 0 else _undithered(lv[i], uniform(tab[t0 + i], rot), st)
+                    samp[r, t] = np.float64(v)
+        if stride > 0:
+            add_spread_segment(lanes, samp, buf, lo, hi, stride)
         ob = out[lo:hi]
         for i in range(m):
             ob[i] = np.float32(buf[i] / wf)
         lo = hi
+    if stride > 0:
+        for k in range(3):
+            sums[k] = lanes_total(lanes[k])
 
 
 def mean_undithered_into(
@@ -221,15 +234,21 @@ def mean_undithered_into(
     bucket_sizes: list[int],
     seeds: list[int],
     out: np.ndarray,
-) -> None:
+    *,
+    sample_stride: int = 0,
+) -> np.ndarray | None:
     """``mean_dequantized_into`` for ranks that all sent the layer dithered (``seeds``: each
     rank's dither seed): bit-identical to ``mean_into`` of their ``dequantize(...,
-    dither_seed=)``, in one pass with no per-rank float32 array. Sizes checked as there."""
+    dither_seed=)``, in one pass with no per-rank float32 array. Sizes checked as there; the
+    peer-spread sums at ``sample_stride`` returned as there."""
     lv, st = rank_steps(levels, scales, bits, bucket_sizes, out.size)
     seed_arr = np.asarray([int(x) & 0xFFFFFFFF for x in seeds], dtype=np.int64)
     if seed_arr.size != len(lv):
         raise ValueError(f"{seed_arr.size} seeds for {len(lv)} ranks")
-    _mean_undithered_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), seed_arr, UNIFORM_TABLE, out)
+    sums = np.zeros(3, np.float64)
+    buckets = np.asarray(bucket_sizes, dtype=np.int64)
+    _mean_undithered_core(lv, st, buckets, seed_arr, UNIFORM_TABLE, out, max(sample_stride, 0), sums)
+    return sums if sample_stride > 0 else None
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -84,3 +84,40 @@ def sum_squares_reference(x: np.ndarray) -> float:
         w //= 2
         lanes[:w] = lanes[:w] + lanes[w : 2 * w]
     return float(lanes[0])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def add_spread_sample(lanes, j, values, t, total):  # pragma: no cover - jit
+    """One sampled element j of W ranks' decoded values (``values[:, t]``, float64, rank order),
+    whose rank-order sum is ``total``, into lane j % LANES of the three peer-spread sums
+    (peer_spread.py): lanes[0] += sum_r (v_r - m)^2, lanes[1] += sum_r v_r^2, lanes[2] += m^2,
+    m = total / W."""
+    world = values.shape[0]
+    m = total / np.float64(world)
+    dev = np.float64(0.0)
+    sq = np.float64(0.0)
+    for r in range(world):
+        v = values[r, t]
+        d = v - m
+        dev += d * d
+        sq += v * v
+    lane = j % LANES
+    lanes[0, lane] += dev
+    lanes[1, lane] += sq
+    lanes[2, lane] += m * m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def first_sample(lo, stride):  # pragma: no cover - jit
+    """The first element at or after ``lo`` that a sample of every ``stride``-th element takes."""
+    return (lo + stride - 1) // stride * stride
+
+
+@njit(cache=True, nogil=True, inline="always")
+def add_spread_segment(lanes, samp, buf, lo, hi, stride):  # pragma: no cover - jit
+    """The sampled elements of one segment [lo, hi) of a fused rank mean: ``samp[r, t]`` holds rank
+    r's value at the segment's t-th sampled element, ``buf`` the rank-order sums of the segment."""
+    first = first_sample(lo, stride)
+    j0 = first // stride  # the sample index of the segment's first sampled element
+    for t, p in enumerate(range(first, hi, stride)):
+        add_spread_sample(lanes, j0 + t, samp, t, buf[p - lo])

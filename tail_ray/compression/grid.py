@@ -13,7 +13,7 @@ divided by R in float64, then rounded to float32:
     mean  = float32((v_0 + v_1 + ... + v_{R-1}) / R)
 
 These are the only definitions. The numba kernels (``quantize.dequantize``, the fused
-decode-average ``quantize.mean_dequantized_into``, the controller's sampled view
+decode-average ``rank_mean.mean_dequantized_into``, the controller's sampled view
 ``record_tensors.sample_stack``, the quantizer's error-feedback residual x - value) compute exactly
 these operations, none of them compiled with fastmath, so LLVM may neither reassociate nor
 contract them and the bits are the same on every CPU (AVX-512, AVX2, plain x86-64, aarch64);

@@ -144,7 +144,7 @@ def compress_lowrank_device(
 
 def mean_tensors_on_device(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """out <- the grid's rank mean of flat float32 tensors on out's device: float64 sum in rank
-    order, divided by the number of ranks, rounded to float32 (``quantize.mean_into``'s bits:
+    order, divided by the number of ranks, rounded to float32 (``rank_mean.mean_into``'s bits:
     every step is one IEEE operation per element)."""
     if not tensors:
         raise ValueError("the mean needs at least one rank")

@@ -7,27 +7,35 @@ For the sampled elements i and the W ranks' decoded values d_r(i), three float64
     power    sum_i sum_r d_r(i)^2
     mean     sum_i m(i)^2
 
-The sample is ``record_tensors.sample_stack``'s (W, n) float64 matrix (numba decodes only the
-sampled levels when every rank sent the layer quantized, training's case); the sums are one
-numba pass over it in the fixed lanes of ``fixedsum`` (lane i % LANES, then a fixed pairwise
-tree), so the same bits on every CPU. They were torch reductions over the matrix, whose
-summation order follows the CPU's vector width, and which took a third of observe_peers' time.
+In training the sums come from the decode-average itself: ``aggregate.mean_records_into`` asks
+the fused rank means (``rank_mean.mean_dequantized_into``, ``dither.mean_undithered_into``) for
+them at the sample's stride, and they read the sampled values the mean already holds, in the
+same order (``fixedsum.add_spread_sample``): the same bits as below, with no second decode.
+Otherwise (``peer_sums``: a CUDA layer, a mix of codes) the sample is
+``record_tensors.sample_stack``'s (W, n) float64 matrix (numba decodes only the sampled levels
+when every rank sent the layer quantized); the sums are one numba pass over it in the fixed
+lanes of ``fixedsum`` (lane i % LANES, then a fixed pairwise tree), so the same bits on every
+CPU. They were torch reductions over the matrix, whose summation order follows the CPU's
+vector width, and which took a third of observe_peers' time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from numba import njit
 
-from tail_ray.compression.fixedsum import LANES, lanes_total
+from tail_ray.compression.fixedsum import LANES, add_spread_sample, lanes_total
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LayerRecord
 
-__all__ = ["PeerSums", "peer_sums"]
+__all__ = ["PeerSums", "peer_sums", "sampled_sums"]
+
+log = logging.getLogger(__name__)
 
 
 class PeerSums(NamedTuple):
@@ -44,24 +52,12 @@ class PeerSums(NamedTuple):
 def _sums_core(stack, out):  # type: ignore[no-untyped-def]
     """out[0:3] = (spread, power, mean) sums of a (W, n) float64 sample, in fixed lanes."""
     world, n = stack.shape
-    wf = np.float64(world)
     lanes = np.zeros((3, LANES), np.float64)
     for j in range(n):
         total = np.float64(0.0)
-        for r in range(world):  # the rank mean, in rank order
+        for r in range(world):  # the rank sum, in rank order
             total += stack[r, j]
-        m = total / wf
-        dev = np.float64(0.0)
-        sq = np.float64(0.0)
-        for r in range(world):
-            v = stack[r, j]
-            d = v - m
-            dev += d * d
-            sq += v * v
-        lane = j % LANES
-        lanes[0, lane] += dev
-        lanes[1, lane] += sq
-        lanes[2, lane] += m * m
+        add_spread_sample(lanes, j, stack, j, total)
     for t in range(3):
         out[t] = lanes_total(lanes[t])
 
@@ -76,3 +72,26 @@ def peer_sums(records: Sequence[LayerRecord], stride: int) -> PeerSums:
     out = np.empty(3, np.float64)
     _sums_core(stack.numpy(), out)
     return PeerSums(float(out[0]), float(out[1]), float(out[2]), int(stack.shape[1]), len(records))
+
+
+def sampled_sums(records: Sequence[LayerRecord], stride: int) -> PeerSums | None:
+    """``peer_sums``, or None where the records cannot be sampled together (of different sizes,
+    or dithered in slices): that layer gets no reading this step."""
+    try:
+        return peer_sums(records, stride)
+    except (RuntimeError, ValueError) as exc:
+        log.debug("no peer-spread sample of layer %r: %s", records[0].name if records else "?", exc)
+        return None
+
+
+def sampled_layers(
+    records_by_rank: Sequence[Mapping[str, LayerRecord]], strides: Mapping[str, int]
+) -> dict[str, PeerSums]:
+    """``sampled_sums`` of each layer of ``strides`` that every rank sent."""
+    out = {}
+    for name, stride in strides.items():
+        recs = [d.get(name) for d in records_by_rank]
+        got = sampled_sums([r for r in recs if r is not None], stride) if None not in recs else None
+        if got is not None:
+            out[name] = got
+    return out

@@ -55,12 +55,10 @@ from tail_ray.compression.grid import (
     inverse_levels_max,
     levels_max,
     n_buckets,
-    rank_steps,
 )
 from tail_ray.compression.kernel_parts import (
     CHUNK,
     GOLDEN,
-    MEAN_TILE,
     UNIFORM_TABLE,
     absmax,
     chunk_draw,
@@ -85,8 +83,6 @@ __all__ = [
     "kernel_rounding",
     "layer_seed",
     "levels_max",
-    "mean_dequantized_into",
-    "mean_into",
     "n_buckets",
     "quantize",
     "quantize_ef",
@@ -348,94 +344,3 @@ def dequantize(
     else:
         undither_core(lv, steps, bucket_size, int(dither_seed) & 0xFFFFFFFF, UNIFORM_TABLE, out)
     return out
-
-
-@njit(cache=True, nogil=True)
-def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out):  # type: ignore[no-untyped-def]
-    """out[i] = float32((sum over ranks r, in rank order, of levels_r[i] * steps_r[i // bucket_r]) / R).
-
-    The grid's arithmetic exactly: each product rounded to float32, widened to float64, added
-    in rank order, divided by R in float64, rounded to float32 (no fastmath: no FMA, no
-    reciprocal for the division). ``levels_t`` / ``steps_t`` are tuples (one array per rank,
-    no stacking copy).
-    """
-    n = out.size
-    world = len(levels_t)
-    wf = np.float64(world)
-    buf = np.empty(MEAN_TILE, np.float64)
-    lo = 0
-    while lo < n:
-        # The segment ends at the first bucket boundary of any rank (ranks may differ in
-        # bucket size), so each rank has one step per segment.
-        hi = min(n, lo + MEAN_TILE)
-        for r in range(world):
-            bs = bucket_sizes[r]
-            hi = min(hi, (lo // bs + 1) * bs)
-        m = hi - lo
-        for r in range(world):
-            st = steps_t[r][lo // bucket_sizes[r]]
-            lv = levels_t[r][lo:hi]
-            if r == 0:
-                for i in range(m):
-                    buf[i] = np.float64(np.float32(lv[i]) * st)
-            else:
-                for i in range(m):
-                    buf[i] = buf[i] + np.float64(np.float32(lv[i]) * st)
-        ob = out[lo:hi]
-        for i in range(m):
-            ob[i] = np.float32(buf[i] / wf)
-        lo = hi
-
-
-def mean_dequantized_into(
-    levels: list[np.ndarray],
-    scales: list[np.ndarray],
-    bits: list[int],
-    bucket_sizes: list[int],
-    out: np.ndarray,
-) -> None:
-    """Write the mean over ranks of ``dequantize(levels_r, scales_r, bits_r, bucket_r)`` into
-    ``out`` (float32, numel long) in one pass, with no per-rank float32 array: bit-identical to
-    ``grid.mean_reference`` of the dequantized ranks.
-
-    Sizes are checked here (the kernel does no bounds checks): every ``levels_r`` must have
-    ``out.size`` elements and ``scales_r`` one scale per bucket; a ValueError otherwise.
-    """
-    lv, st = rank_steps(levels, scales, bits, bucket_sizes, out.size)
-    _mean_dequantized_core(lv, st, np.asarray(bucket_sizes, dtype=np.int64), out)
-
-
-@njit(cache=True, nogil=True)
-def _mean_core(values_t, out):  # type: ignore[no-untyped-def]
-    """out[i] = float32((sum over ranks, in rank order, of float64(values_r[i])) / R)."""
-    n = out.size
-    world = len(values_t)
-    wf = np.float64(world)
-    buf = np.empty(MEAN_TILE, np.float64)
-    for lo in range(0, n, MEAN_TILE):
-        hi = min(n, lo + MEAN_TILE)
-        m = hi - lo
-        for r in range(world):
-            v = values_t[r][lo:hi]
-            if r == 0:
-                for i in range(m):
-                    buf[i] = np.float64(v[i])
-            else:
-                for i in range(m):
-                    buf[i] = buf[i] + np.float64(v[i])
-        ob = out[lo:hi]
-        for i in range(m):
-            ob[i] = np.float32(buf[i] / wf)
-
-
-def mean_into(values: list[np.ndarray], out: np.ndarray) -> None:
-    """The rank mean of float32 layers (raw, sparse or a mix of codes, already decoded) into
-    ``out``: the same arithmetic as the fused quantized mean (``grid.mean_reference``), so a
-    layer averages to the same bits whichever path it takes."""
-    vals = tuple(np.ascontiguousarray(v, dtype=np.float32).reshape(-1) for v in values)
-    if not vals:
-        raise ValueError("the mean needs at least one rank")
-    for v in vals:
-        if v.size != out.size:
-            raise ValueError(f"{v.size} values for {out.size} elements")
-    _mean_core(vals, out)

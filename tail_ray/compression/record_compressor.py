@@ -52,6 +52,7 @@ from tail_ray.compression.base import Compressor
 from tail_ray.compression.device import MAX_DEVICE_BUCKET, DeviceFlat, LayerArray, device_flat, uses_triton
 from tail_ray.compression.dither_slices import dither_in_slices, dither_on_device
 from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.peer_spread import PeerSums
 from tail_ray.compression.quantize import is_dither, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.record_tensors import as_flat_f32, records_to_flat
 from tail_ray.compression.records import (
@@ -384,13 +385,22 @@ class RecordCompressor(Compressor):
             }
             for rank, p in enumerate(payloads)
         ]
-        # Before the mean is written: this rank's raw records alias its gradients.
-        self.observe_peers(records_by_rank)
-        mean_records_into(records_by_rank, into)
+        # The controller's spread sample is read by the mean itself (or, where it cannot be,
+        # before the layer's mean is written: this rank's raw records alias its gradients).
+        sums = mean_records_into(records_by_rank, into, sample_strides=self.spread_strides(records_by_rank))
+        self.observe_peers(records_by_rank, sums)
 
-    def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
-        """Every rank's decoded records of one exchange (a controller's noise estimate); no-op."""
-        return None  # a no-op by default
+    def spread_strides(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> dict[str, int]:
+        """The layers whose between-rank spread ``observe_peers`` reads, at what sample stride
+        (peer_spread.py); none by default."""
+        return {}
+
+    def observe_peers(
+        self, records_by_rank: Sequence[Mapping[str, LayerRecord]], sums: Mapping[str, PeerSums] | None = None
+    ) -> None:
+        """Every rank's decoded records of one exchange, and the spread sums ``aggregate`` read
+        for ``spread_strides``' layers (a controller's noise estimate); no-op by default."""
+        return None
 
     # --- error feedback and checkpoints --------------------------------------------------
     def fold_residuals(self, grads: Mapping[str, torch.Tensor]) -> None:

@@ -35,7 +35,7 @@ from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.grid import F32_MAX
 from tail_ray.compression.lowrank import compensated_of, matrix_shape, max_rank, send_lowrank
 from tail_ray.compression.peer_reports import encode_report, merge_reports
-from tail_ray.compression.peer_spread import peer_sums
+from tail_ray.compression.peer_spread import PeerSums, sampled_layers
 from tail_ray.compression.quantize import layer_seed, sum_squares
 from tail_ray.compression.record_compressor import CompressedLayer, RecordCompressor, warn_nonfinite
 from tail_ray.compression.records import LayerRecord, LowRankRecord, QuantRecord, RawRecord
@@ -329,19 +329,12 @@ class TailCompressor(RecordCompressor):
         for budget in (self.controller.policy, *self._mean_budgets):
             budget.set_linear(linear)
 
-    def observe_peers(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> None:
-        """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.
-
-        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the sampled elements
-        are dequantized), minus what compression put into the d_i (the residual carried in + rounding noise,
-        measured on this worker's own last compress as a proxy for every worker's), over the workers' mean
-        ||d_i||^2 less that same compression part: the relative SGD noise (BudgetPolicy.relative_noise).
-        """
-        if self.lowrank is not None:
-            self.agreement.observe(records_by_rank)  # the next step's low-rank choices
-        world = len(records_by_rank)
-        if world < 2:
-            return
+    def spread_strides(self, records_by_rank: Sequence[Mapping[str, LayerRecord]]) -> dict[str, int]:
+        """The layers ``observe_peers`` reads the spread of, at what stride: every layer past
+        raw_below_numel that no rank sent low-rank, sampled at most _SPREAD_SAMPLE_NUMEL times."""
+        if len(records_by_rank) < 2:
+            return {}
+        strides = {}
         for name, first in records_by_rank[0].items():
             if first.numel < max(self.config.raw_below_numel, 1):
                 continue
@@ -349,31 +342,52 @@ class TailCompressor(RecordCompressor):
                 # A low-rank layer's workers differ by their subspaces as much as by their
                 # batches: no SGD-noise reading; its budget keeps the last one measured.
                 continue
-            stride = max(1, first.numel // _SPREAD_SAMPLE_NUMEL)
-            try:
-                # Every rank's layer at the same strided positions (peer_spread.py).
-                sums = peer_sums([d[name] for d in records_by_rank], stride)
-            except (KeyError, RuntimeError):
+            strides[name] = max(1, first.numel // _SPREAD_SAMPLE_NUMEL)
+        return strides
+
+    def observe_peers(
+        self, records_by_rank: Sequence[Mapping[str, LayerRecord]], sums: Mapping[str, PeerSums] | None = None
+    ) -> None:
+        """Between-worker spread of one exchange's decoded records -> relative SGD noise per layer.
+
+        spread = (1/(W-1)) sum_i ||d_i - mean||^2 per element, on a strided sample (only the sampled elements
+        are dequantized), minus what compression put into the d_i (the residual carried in + rounding noise,
+        measured on this worker's own last compress as a proxy for every worker's), over the workers' mean
+        ||d_i||^2 less that same compression part: the relative SGD noise (BudgetPolicy.relative_noise).
+        ``sums``: ``spread_strides``' sums, read by ``aggregate``'s mean pass (None: sampled here).
+        """
+        if self.lowrank is not None:
+            self.agreement.observe(records_by_rank)  # the next step's low-rank choices
+        strides = self.spread_strides(records_by_rank)
+        if sums is None:  # every rank's layer at the same strided positions (peer_spread.py)
+            sums = sampled_layers(records_by_rank, strides)
+        for name in strides:
+            got = sums.get(name)
+            if got is None:
                 log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
                 continue
-            n_sample = sums.n
-            spread = sums.spread / (world - 1) / n_sample
-            mean_sq = sums.power / world / n_sample
-            # Nothing compressed here yet: all of the spread is taken as SGD noise.
-            compression = self._compression_sq.get(name, 0.0)
-            # The gradient power from all workers (decoded minus compression), not just this
-            # one's: late in training single misclassified samples make one worker's gradient
-            # 1000x another's for a step.
-            self._observe(name, spread, compression, mean_sq - compression)
-            self._measured[name] = (spread, compression, mean_sq - compression, float(first.numel))
-            if self._mean_budgets:
-                # The second stage compresses the mean m of these W decoded gradients. Its SGD
-                # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
-                # compression noise the mean still carries (compression / W).
-                m_sq = sums.mean / n_sample
-                sgd = max(0.0, spread - compression) / world
-                for budget in self._mean_budgets:
-                    budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)
+            self._observe_sums(name, got, records_by_rank[0][name].numel)
+
+    def _observe_sums(self, name: str, sums: PeerSums, numel: int) -> None:
+        """One layer's spread sums -> its budget's noise reading (and the second stages')."""
+        world, n_sample = sums.world, sums.n
+        spread = sums.spread / (world - 1) / n_sample
+        mean_sq = sums.power / world / n_sample
+        # Nothing compressed here yet: all of the spread is taken as SGD noise.
+        compression = self._compression_sq.get(name, 0.0)
+        # The gradient power from all workers (decoded minus compression), not just this
+        # one's: late in training single misclassified samples make one worker's gradient
+        # 1000x another's for a step.
+        self._observe(name, spread, compression, mean_sq - compression)
+        self._measured[name] = (spread, compression, mean_sq - compression, float(numel))
+        if self._mean_budgets:
+            # The second stage compresses the mean m of these W decoded gradients. Its SGD
+            # noise per element is (spread - compression) / W; its signal, ||m||^2 less the
+            # compression noise the mean still carries (compression / W).
+            m_sq = sums.mean / n_sample
+            sgd = max(0.0, spread - compression) / world
+            for budget in self._mean_budgets:
+                budget.observe_spread(name, sgd, 0.0, m_sq - compression / world)
 
     def _observe(self, name: str, spread: float, compression: float, grad_sq: float) -> None:
         self.controller.policy.observe_spread(name, spread, compression, grad_sq)

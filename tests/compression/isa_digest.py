@@ -26,14 +26,8 @@ from tail_ray.compression.fixedsum import sum_squares
 from tail_ray.compression.lowrank import reconstruct
 from tail_ray.compression.lowrank_kernels import captured_energy_arrays, power_step_arrays
 from tail_ray.compression.peer_spread import peer_sums
-from tail_ray.compression.quantize import (
-    dequantize,
-    mean_dequantized_into,
-    mean_into,
-    n_buckets,
-    quantize,
-    quantize_finite,
-)
+from tail_ray.compression.quantize import dequantize, n_buckets, quantize, quantize_finite
+from tail_ray.compression.rank_mean import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import sample_stack
 from tail_ray.compression.records import LowRankRecord, QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
@@ -150,33 +144,35 @@ def digests() -> dict[str, str]:
     ranks = [quantized[b] for b in (2, 3, 4, 8)]
     for world in (2, 3, 4):
         mean = np.empty(n, np.float32)
-        mean_dequantized_into(
+        sums = mean_dequantized_into(  # with the spread sample the mean pass reads
             [r[0] for r in ranks[:world]],
             [r[1] for r in ranks[:world]],
             [2, 3, 4, 8][:world],
             [512] * world,
             mean,
+            sample_stride=7,
         )
         decoded = [
             dequantize(lv, sc, b, 512) for (lv, sc), b in zip(ranks[:world], (2, 3, 4, 8), strict=False)
         ]
         plain = np.empty(n, np.float32)
         mean_into(decoded, plain)
-        out[f"mean_{world}_ranks"] = _digest([mean, plain])
+        out[f"mean_{world}_ranks"] = _digest([mean, plain, sums])
 
     # The dithered rank mean (fused) and the controller's sample of dithered layers.
     dith = [dithered[b] for b in (2, 3, 4, 8)]
     for world in (2, 4):
         mean = np.empty(n, np.float32)
-        mean_undithered_into(
+        sums = mean_undithered_into(
             [r.levels for r in dith[:world]],
             [r.scales for r in dith[:world]],
             [r.bits for r in dith[:world]],
             [512] * world,
             [6 + i for i in range(world)],
             mean,
+            sample_stride=7,
         )
-        out[f"mean_dither_{world}_ranks"] = _digest([mean])
+        out[f"mean_dither_{world}_ranks"] = _digest([mean, sums])
     record("sample_stack_dither", lambda: [sample_stack(dith, s).numpy() for s in (1, 7)])
 
     records = [

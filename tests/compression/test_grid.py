@@ -27,14 +27,8 @@ from tail_ray.compression.grid import (
     mean_reference,
 )
 from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig
-from tail_ray.compression.quantize import (
-    dequantize,
-    mean_dequantized_into,
-    mean_into,
-    n_buckets,
-    quantize,
-    quantize_finite,
-)
+from tail_ray.compression.quantize import dequantize, n_buckets, quantize, quantize_finite
+from tail_ray.compression.rank_mean import mean_dequantized_into, mean_into
 from tail_ray.compression.record_tensors import records_to_flat, sample_flat, sample_stack
 from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig

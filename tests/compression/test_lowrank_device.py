@@ -24,7 +24,7 @@ from tail_ray.compression import lowrank_device as ld  # noqa: E402
 from tail_ray.compression.device import BACKEND_ENV  # noqa: E402
 from tail_ray.compression.lowrank import reconstruct  # noqa: E402
 from tail_ray.compression.lowrank_kernels import power_step_arrays  # noqa: E402
-from tail_ray.compression.quantize import mean_into  # noqa: E402
+from tail_ray.compression.rank_mean import mean_into  # noqa: E402
 from tail_ray.compression.records import LowRankRecord  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload  # noqa: E402

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from tail_ray.compression.aggregate import mean_records_into
 from tail_ray.compression.grid import n_buckets
 from tail_ray.compression.peer_spread import peer_sums
 from tail_ray.compression.quantize import quantize_finite
 from tail_ray.compression.record_tensors import sample_flat
 from tail_ray.compression.records import QuantRecord, RawRecord
+from tail_ray.compression.tail import TailCompressor, TailConfig
+from tail_ray.compression.wire import decode_payload
 
 
 def _record(x: np.ndarray, bits: int, bucket: int, seed: int, dither: bool) -> QuantRecord:
@@ -66,3 +69,60 @@ def test_raw_and_mixed_records_and_mis_sized_ones_raise() -> None:
         peer_sums([RawRecord("w", a), RawRecord("w", b[:999])], 1)
     with pytest.raises(RuntimeError):
         peer_sums([_record(a, 4, 512, 1, True), _record(b[:999], 4, 512, 2, True)], 1)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 64, 2047, 2048, 5000])
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        [(4, 512, True), (4, 512, True)],
+        [(3, 512, True), (5, 128, True), (8, 2048, True)],  # segments end at every rank's bucket
+        [(3, 512, False), (5, 100, False), (8, 2048, False), (2, 64, False)],
+        [(4, 512, True), (4, 512, False)],  # a mix: sampled before the mean is written
+        [(4, 512, True), "raw"],
+    ],
+)
+def test_the_mean_pass_reads_the_same_sums_as_peer_sums(ranks: list, stride: int) -> None:  # type: ignore[type-arg]
+    """aggregate's fused means read the sample on the way: peer_sums' bits, whichever path the
+    layer takes (and the mean itself unchanged)."""
+    rng = np.random.default_rng(stride + 7 * len(ranks))
+    n = 9001  # segments of MEAN_TILE (2,048) and a partial tail
+    base = rng.standard_normal(n).astype(np.float32)
+    records: list[QuantRecord | RawRecord] = []
+    for r, spec in enumerate(ranks):
+        x = base + np.float32(0.3) * rng.standard_normal(n).astype(np.float32)
+        x[64:700] = 0.0  # all-zero buckets: step 0
+        x[900] = -0.0
+        records.append(RawRecord("w", x) if spec == "raw" else _record(x, *spec[:2], 5 + r, spec[2]))
+    by_rank = [{"w": rec} for rec in records]
+    into = {"w": torch.empty(n)}
+    sums = mean_records_into(by_rank, into, sample_strides={"w": stride})
+    want = peer_sums(records, stride)
+    assert sums["w"] == want  # every field, float for float
+    plain = {"w": torch.empty(n)}
+    assert mean_records_into(by_rank, plain) == {}
+    assert plain["w"].numpy().tobytes() == into["w"].numpy().tobytes()
+
+
+def test_tail_reads_the_same_noise_from_the_mean_pass_as_from_the_records() -> None:
+    """observe_peers fed by aggregate (sums from the mean pass) and fed the records alone
+    (sampled there) leave the budget in the same state, bit for bit."""
+    rng = np.random.default_rng(9)
+
+    def grads(r: int) -> dict[str, torch.Tensor]:
+        return {"a": torch.from_numpy(rng.standard_normal(30000).astype(np.float32) * (1 + r)),
+                "b": torch.from_numpy(rng.standard_normal(5000).astype(np.float32))}  # fmt: skip
+
+    fed, sampled = (
+        [TailCompressor(TailConfig(seed=r, warmup_steps=0, lowrank="off")) for r in range(2)]
+        for _ in range(2)
+    )
+    for _ in range(6):
+        g = [grads(r) for r in range(2)]
+        pays = [c.compress(x) for c, x in zip(fed, g, strict=True)]
+        for c, x in zip(sampled, g, strict=True):
+            c.compress(x)
+        fed[0].aggregate(pays, {k: torch.empty_like(v) for k, v in g[0].items()}, own=0)
+        sampled[0].observe_peers([{rec.name: rec for rec in decode_payload(p)} for p in pays])
+    assert fed[0]._measured and fed[0]._measured == sampled[0]._measured
+    assert fed[0].controller.policy.state_dict() == sampled[0].controller.policy.state_dict()

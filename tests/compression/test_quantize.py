@@ -4,15 +4,8 @@ import numpy as np
 import pytest
 
 from tail_ray.compression.grid import dequantize_reference, mean_reference
-from tail_ray.compression.quantize import (
-    dequantize,
-    levels_max,
-    mean_dequantized_into,
-    mean_into,
-    n_buckets,
-    quantize,
-    quantize_ef,
-)
+from tail_ray.compression.quantize import dequantize, levels_max, n_buckets, quantize, quantize_ef
+from tail_ray.compression.rank_mean import mean_dequantized_into, mean_into
 
 
 def _heavy_tailed(n: int, seed: int) -> np.ndarray:

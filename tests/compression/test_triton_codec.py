@@ -38,11 +38,11 @@ from tail_ray.compression.fixedsum import sum_squares  # noqa: E402
 from tail_ray.compression.grid import dequantize_reference, levels_max  # noqa: E402
 from tail_ray.compression.qsgd import QSGDCompressor, QSGDConfig  # noqa: E402
 from tail_ray.compression.quantize import (  # noqa: E402
-    mean_dequantized_into,
     quantize,
     quantize_ef,
     quantize_finite,
 )
+from tail_ray.compression.rank_mean import mean_dequantized_into  # noqa: E402
 from tail_ray.compression.records import Kind, QuantRecord  # noqa: E402
 from tail_ray.compression.rounding import ROUNDINGS  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
