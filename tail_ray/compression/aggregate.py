@@ -139,12 +139,11 @@ def _device_mean(g: torch.Tensor, recs: list[LayerRecord]) -> None:
     from tail_ray.compression import lowrank_device
 
     dev = g.device
-    decoded = [
-        lowrank_device.reconstruct_on(r, dev)
-        if isinstance(r, LowRankRecord)
-        else torch.from_numpy(record_to_flat(r)).to(dev)
+    # One rank's layer at a time, added as it is made: W layers at once would not fit a big one.
+    decoded = (
+        lowrank_device.reconstruct_on(r, dev) if isinstance(r, LowRankRecord) else record_to_flat(r).to(dev)
         for r in recs
-    ]
+    )
     fits = g.dtype == torch.float32 and g.is_contiguous()
     dst = g.detach().view(-1) if fits else torch.empty(g.numel(), dtype=torch.float32, device=dev)
     lowrank_device.mean_tensors_on_device(decoded, dst)

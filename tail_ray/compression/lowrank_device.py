@@ -30,7 +30,7 @@ Imported only once the Triton backend is chosen (triton is an optional extra).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -64,8 +64,12 @@ def _reconstruct_kernel(
 ):
     """out[i * cols + j] = float32(sum_c float64(p[c * rows + i]) * float64(q[c * cols + j])),
     c in order from 0: ``lowrank._reconstruct_core`` per element."""
-    ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ci = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # One grid axis (CUDA allows 2^31 - 1 programs there, 65,535 on the others): program pid
+    # takes row tile pid // col_tiles and column tile pid % col_tiles.
+    col_tiles = tl.cdiv(cols, BLOCK_C)
+    pid = tl.program_id(0)
+    ri = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ci = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = ri < rows
     cmask = ci < cols
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float64)
@@ -84,7 +88,7 @@ def reconstruct_on(rec: LowRankRecord, device: torch.device) -> torch.Tensor:
     p_dev = torch.from_numpy(np.ascontiguousarray(p)).to(device)
     q_dev = torch.from_numpy(np.ascontiguousarray(q)).to(device)
     out = torch.empty(rec.numel, dtype=torch.float32, device=device)
-    grid = (triton.cdiv(max(rec.rows, 1), _TILE_ROWS), triton.cdiv(max(rec.cols, 1), _TILE_COLS))
+    grid = (triton.cdiv(max(rec.rows, 1), _TILE_ROWS) * triton.cdiv(max(rec.cols, 1), _TILE_COLS),)
     _reconstruct_kernel[grid](
         p_dev, q_dev, out, rec.rows, rec.cols, rec.rank,
         BLOCK_R=_TILE_ROWS, BLOCK_C=_TILE_COLS, enable_fp_fusion=False,
@@ -142,16 +146,23 @@ def compress_lowrank_device(
     return rec, q, reconstruct_on(rec, compensated.device)
 
 
-def mean_tensors_on_device(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """out <- the grid's rank mean of flat float32 tensors on out's device: float64 sum in rank
-    order, divided by the number of ranks, rounded to float32 (``rank_mean.mean_into``'s bits:
-    every step is one IEEE operation per element)."""
-    if not tensors:
+def mean_tensors_on_device(tensors: Iterable[torch.Tensor], out: torch.Tensor) -> None:
+    """out <- the grid's rank mean of flat float32 tensors (in rank order) on out's device:
+    float64 sum in rank order, divided by the number of ranks, rounded to float32
+    (``rank_mean.mean_into``'s bits: every step is one IEEE operation per element). The ranks
+    are added one at a time as ``tensors`` yields them (a generator keeps one rank's layer in
+    memory besides the float64 sum)."""
+    acc: torch.Tensor | None = None
+    world = 0
+    for t in tensors:
+        if acc is None:
+            acc = t.to(device=out.device, dtype=torch.float64, copy=True)
+        else:
+            acc.add_(t)  # widened to float64 exactly, added in float64
+        world += 1
+    if acc is None:
         raise ValueError("the mean needs at least one rank")
-    acc = tensors[0].to(torch.float64, copy=True)
-    for t in tensors[1:]:
-        acc.add_(t.to(torch.float64))
     # By a tensor, not a Python number: CUDA's division by a host scalar multiplies by its
     # reciprocal, which is not the grid's division for a world that is not a power of two.
-    acc.div_(torch.full((1,), float(len(tensors)), dtype=torch.float64, device=acc.device))
-    out.copy_(acc.to(torch.float32).view(out.shape))
+    acc.div_(torch.full((1,), float(world), dtype=torch.float64, device=acc.device))
+    out.copy_(acc.view(out.shape))  # rounded to float32 once

@@ -137,7 +137,8 @@ def decodable_seed(rec: QuantRecord) -> int | None:
     that is right for its first slice only."""
     if rec.slice_seeds is not None:
         raise ValueError(f"layer {rec.name!r} is dithered in slices: decode its slices (slice_record)")
-    return rec.dither_seed
+    # 32 bits, as every decoder reads it (``dequantize`` masks too; the wire carries no more).
+    return None if rec.dither_seed is None else rec.dither_seed & 0xFFFFFFFF
 
 
 def _dithered_slice(rec: QuantRecord, start: int, stop: int) -> QuantRecord:

@@ -32,10 +32,13 @@ from tail_ray.compression.wire import decode_payload  # noqa: E402
 DEV = torch.device("cuda" if CUDA else "cpu")
 
 
-def _factors_record(rows: int, cols: int, rank: int, bits: int, seed: int) -> LowRankRecord:
+def _factors_record(
+    rows: int, cols: int, rank: int, bits: int, seed: int, scale: float | None = None
+) -> LowRankRecord:
     rng = np.random.default_rng(seed)
-    p = torch.from_numpy(rng.standard_normal((rows, rank)).astype(np.float32))
-    q = torch.from_numpy((rng.standard_normal((cols, rank)) * rng.uniform(1e-3, 1e3)).astype(np.float32))
+    q_scale = rng.uniform(1e-3, 1e3) if scale is None else scale
+    p = torch.from_numpy((rng.standard_normal((rows, rank)) * (scale or 1.0)).astype(np.float32))
+    q = torch.from_numpy((rng.standard_normal((cols, rank)) * q_scale).astype(np.float32))
     from tail_ray.compression.lowrank import quantize_factors
 
     return quantize_factors("w", p, q, rows, cols, bits=bits, bucket_size=64, seed=seed)
@@ -50,6 +53,16 @@ def test_device_reconstruction_is_the_host_kernels_bits(rows: int, cols: int, ra
     rec = _factors_record(rows, cols, rank, bits, seed=rows + cols)
     got = ld.reconstruct_on(rec, DEV).cpu().numpy()
     assert got.tobytes() == reconstruct(rec).tobytes()
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-22, 3e-23])
+def test_device_reconstruction_keeps_denormal_products(scale: float) -> None:
+    """Factors of ~1e-20 give products of ~1e-40, below float32's normal range: a compiled kernel
+    that flushed denormals (in the widening or the final rounding) would differ from the CPU."""
+    rec = _factors_record(70, 90, 4, 8, seed=5, scale=scale)
+    want = reconstruct(rec)
+    assert np.any((want != 0) & (np.abs(want) < np.finfo(np.float32).tiny))  # denormals made
+    assert ld.reconstruct_on(rec, DEV).cpu().numpy().tobytes() == want.tobytes()
 
 
 def test_device_mean_is_the_grids_rank_mean_bit_for_bit() -> None:
@@ -128,3 +141,26 @@ def test_a_device_layer_goes_lowrank_with_exact_error_feedback_and_averages_as_t
         assert into["w"].cpu().numpy().tobytes() == want["w"].numpy().tobytes()
     assert seen >= 4
     assert ranks[0].last_stats[0].code.startswith("lowrank")
+
+
+def test_a_layer_some_ranks_sent_lowrank_and_one_raw_averages_on_the_device_as_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank whose layer was not finite sends it raw while the others send factors: the device
+    mean of that mix (each rank's layer made on the device or copied up) is the CPU's bits."""
+    from tail_ray.compression.aggregate import mean_records_into
+    from tail_ray.compression.records import QuantRecord, RawRecord
+
+    low = _factors_record(96, 160, 4, 8, seed=1)
+    rng = np.random.default_rng(2)
+    raw = RawRecord("w", rng.standard_normal(96 * 160).astype(np.float32))
+    levels = rng.integers(-7, 8, 96 * 160).astype(np.int8)
+    quant = QuantRecord("w", 4, 512, rng.uniform(0.1, 2.0, 30).astype(np.float32), levels)
+    by_rank = [{"w": low}, {"w": raw}, {"w": _factors_record(96, 160, 2, 4, seed=3)}, {"w": quant}]
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    into = {"w": torch.zeros(96, 160, device=DEV)}
+    mean_records_into(by_rank, into)
+    monkeypatch.setenv(BACKEND_ENV, "cpu")
+    want = {"w": torch.zeros(96, 160)}
+    mean_records_into(by_rank, want)
+    assert into["w"].cpu().numpy().tobytes() == want["w"].numpy().tobytes()
