@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (issue 12), on a machine with a CUDA GPU and the `gpu` extra installed:
 #
-#   OUT=results/ bash jobs/gpu_check.sh   # steps capped at 30+90+150+300 s
+#   OUT=results/ bash jobs/gpu_check.sh   # steps capped at 30+90+150+300+120 s
 #
 # It runs, in this order, each step's output teed to $OUT (what comes back from the machine):
 #   env.txt       nvidia-smi, python, torch / triton / numba / numpy versions
@@ -11,6 +11,8 @@
 #                 among them), and the codec corpus digest (the wire format did not move)
 #   bench.txt     python -m jobs.bench_gpu (codec GB/s side by side, DDP step times), and
 #   bench_gpu.json  the same figures as JSON (commit them to docs/gpu.md with the GPU named)
+#   traffic.txt   python -m jobs.backend_traffic: Tail's traffic and low-rank layers on the CPU
+#                 and the Triton backend over the same digits gradients (should agree)
 #
 # The machine's image has torch, triton, numba and numpy but not this package and no network:
 # it runs from the source tree (PYTHONPATH=.), nothing is installed. Every step runs even if
@@ -48,5 +50,6 @@ step tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" \
   tests/jobs/test_bench_gpu.py \
   tests/collective/test_decode_average.py
 step bench 300 "$PY" -m jobs.bench_gpu --json "$OUT/bench_gpu.json"
+step traffic 120 "$PY" -m jobs.backend_traffic
 echo "gpu_check: exit $status (outputs in $OUT)"
 exit "$status"
