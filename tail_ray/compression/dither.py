@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.fixedsum import LANES, add_spread_segment, first_sample, lanes_total
+from tail_ray.compression.fixedsum import LANES, add_spread_segment, first_sample, spread_totals_into
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, bucket_steps, rank_steps
 from tail_ray.compression.kernel_parts import (
     CHUNK,
@@ -223,8 +223,7 @@ def _mean_undithered_core(levels_t, steps_t, bucket_sizes, seeds, tab, out, stri
             ob[i] = np.float32(buf[i] / wf)
         lo = hi
     if stride > 0:
-        for k in range(3):
-            sums[k] = lanes_total(lanes[k])
+        spread_totals_into(lanes, sums)
 
 
 def mean_undithered_into(

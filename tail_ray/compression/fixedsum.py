@@ -121,3 +121,10 @@ def add_spread_segment(lanes, samp, buf, lo, hi, stride):  # pragma: no cover - 
     j0 = first // stride  # the sample index of the segment's first sampled element
     for t, p in enumerate(range(first, hi, stride)):
         add_spread_sample(lanes, j0 + t, samp, t, buf[p - lo])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def spread_totals_into(lanes, sums):  # pragma: no cover - jit
+    """sums[k] = lanes_total(lanes[k]) for the three peer-spread sums."""
+    for k in range(3):
+        sums[k] = lanes_total(lanes[k])

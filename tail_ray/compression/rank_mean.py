@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tail_ray.compression.fixedsum import LANES, add_spread_segment, first_sample, lanes_total
+from tail_ray.compression.fixedsum import LANES, add_spread_segment, first_sample, spread_totals_into
 from tail_ray.compression.grid import rank_steps
 from tail_ray.compression.kernel_parts import MEAN_TILE
 
@@ -65,8 +65,7 @@ def _mean_dequantized_core(levels_t, steps_t, bucket_sizes, out, stride, sums): 
             ob[i] = np.float32(buf[i] / wf)
         lo = hi
     if stride > 0:
-        for k in range(3):
-            sums[k] = lanes_total(lanes[k])
+        spread_totals_into(lanes, sums)
 
 
 def mean_dequantized_into(
