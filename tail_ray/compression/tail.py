@@ -358,15 +358,12 @@ class TailCompressor(RecordCompressor):
         """
         if self.lowrank is not None:
             self.agreement.observe(records_by_rank)  # the next step's low-rank choices
-        strides = self.spread_strides(records_by_rank)
         if sums is None:  # every rank's layer at the same strided positions (peer_spread.py)
-            sums = sampled_layers(records_by_rank, strides)
-        for name in strides:
+            sums = sampled_layers(records_by_rank, self.spread_strides(records_by_rank))
+        for name, first in records_by_rank[0].items():  # in the records' order, as before
             got = sums.get(name)
-            if got is None:
-                log.debug("observe_peers: layer %r missing or mis-sized on some rank; skipped", name)
-                continue
-            self._observe_sums(name, got, records_by_rank[0][name].numel)
+            if got is not None:
+                self._observe_sums(name, got, first.numel)
 
     def _observe_sums(self, name: str, sums: PeerSums, numel: int) -> None:
         """One layer's spread sums -> its budget's noise reading (and the second stages')."""
