@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from jobs.output_path import output_file
+from jobs.seed_summary import format_summary, parse_seeds, summarize, vs_none
 from tail_ray.collective import PayloadHookState, method_spec, register_tail_hook
 from tail_ray.collective.choice import Collective
 from tail_ray.collective.launch import run_local_group
@@ -469,12 +470,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
         )
         for r in rows:
             value = r["final"][metric]
-            if base is None:
-                delta = ""
-            elif metric == "val_accuracy":
-                delta = f"{100 * (value - base['final'][metric]):+.2f}pt"
-            else:
-                delta = f"{100 * (value / base['final'][metric] - 1):+.2f}%"
+            delta = ""
+            if base is not None:
+                unit = "pt" if metric == "val_accuracy" else "%"
+                delta = f"{vs_none(value, base['final'][metric], metric):+.2f}{unit}"
             shown = f"{100 * value:.2f}%" if metric == "val_accuracy" else f"{value:.4f}"
             reduction = (
                 f"{base['bytes_sent_per_step'] / r['bytes_sent_per_step']:.1f}x"
@@ -634,6 +633,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, default=SEED, help="data and model seed (Tail's rounding seed is random per run)"
     )
+    parser.add_argument(
+        "--seeds",
+        metavar="LIST",
+        help="run every seed in turn, e.g. 0-4 or 0,2,5, and end with each method's mean and worst "
+        "against none over them (jobs/seed_summary.py; needs the none method; replaces --seed)",
+    )
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(
         "--world-size", type=int, default=WORLD_SIZE, help="worker processes (default %(default)s)"
@@ -676,24 +681,46 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--steps must be >= 1")
     if args.world_size < 2:
         parser.error("--world-size must be >= 2")
-    results = run(
-        tasks,
-        methods,
-        args.quick,
-        args.timeout_s,
-        variants,
-        args.steps,
-        args.world_size,
-        args.collective,
-        args.seed,
-    )
-    for i, variant in enumerate(variants):
-        print(f"tail*{i + 1}: tail with {variant}")
-    print_table(results)
-    print_bits_over_steps(results)
+    seeds = [args.seed]
+    if args.seeds is not None:
+        try:
+            seeds = parse_seeds(args.seeds)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if "none" not in methods:
+            parser.error("--seeds compares every method with none of the same seed: add none to --methods")
+        if args.plot and len(seeds) > 1:
+            parser.error("--plot draws one run's bits: use it with --seed")
+    by_seed: dict[int, list[dict[str, Any]]] = {}
+    for k, seed in enumerate(seeds, start=1):
+        if len(seeds) > 1:
+            elapsed = time.perf_counter() - started
+            print(f"\n#### seed {seed} ({k} of {len(seeds)}), {elapsed:.0f} s in", flush=True)
+        results = by_seed[seed] = run(
+            tasks,
+            methods,
+            args.quick,
+            args.timeout_s,
+            variants,
+            args.steps,
+            args.world_size,
+            args.collective,
+            seed,
+        )
+        for i, variant in enumerate(variants):
+            print(f"tail*{i + 1}: tail with {variant}")
+        print_table(results)
+        print_bits_over_steps(results)
+    summaries = summarize(by_seed, {t: TASKS[t].metric for t in tasks}) if len(seeds) > 1 else []
+    for line in format_summary(summaries):
+        print(line)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        doc: Any = by_seed[seeds[0]]  # one seed: its rows, as before --seeds
+        if len(seeds) > 1:
+            runs = {str(s): by_seed[s] for s in seeds}
+            doc = {"seeds": seeds, "runs": runs, "summary": [asdict(s) for s in summaries]}
+        args.json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     if args.plot:
         titles = {f"tail*{i + 1}": f"tail with {json.dumps(v)}" for i, v in enumerate(variants)}
