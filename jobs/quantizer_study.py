@@ -25,6 +25,14 @@ Methods (B: bits, 2..8, or "auto"):
                    two roundings', which momentum averages away)
   adam-dither-B    dither-B on g / s, with s = sqrt of the bias-corrected EMA (beta 0.999) of the
                    decoded mean's square: Adam's own scale, the same on every rank, no traffic
+  anti-dither-B    dither-B with the ranks in pairs: the odd rank dithers with 1 - u of its even
+                   partner's u (antithetic, as in correlated quantization for distributed mean
+                   estimation): for values far below a step the pair's errors cancel in the
+                   mean; each rank's own error is still one dither (no extra traffic)
+  tdither-B        dither-B antithetic in time: each rank's odd step dithers with 1 - u of its
+                   own step before, so momentum averages a pair of nearly opposite errors
+                   while Adam's v still sees one rounding per step (error feedback's delivered
+                   noise is highpass too, at twice the variance)
   dither-auto,     the same quantizers with Tail's budget picking the bits per layer and step:
   adam-dither-auto the smallest of TailConfig's candidate bits whose dither noise (step^2 / 12
                    per element, known exactly: no sampling) is within tau of the layer's
@@ -75,9 +83,10 @@ BUCKET = 512  # Tail's default bucket
 MATRIX_NUMEL = 1024  # Tail's raw_below_numel: smaller layers are not quantized
 EMA_BETA = 0.999  # Adam's beta2: the adam-dither scale's memory
 EPS = 1e-8  # Adam's eps
-PROTOTYPES = ("nearest", "dither", "dither-ef", "adam-dither")
+PROTOTYPES = ("nearest", "dither", "dither-ef", "adam-dither", "anti-dither", "tdither")
 
 FEEDBACK = ("nearest", "dither-ef")  # prototypes that keep a residual and resend it
+ANTITHETIC = ("anti-dither", "tdither")  # dither paired with 1 - u: across ranks, across steps
 Grads = dict[str, torch.Tensor]
 
 
@@ -146,12 +155,16 @@ def quantize_nearest(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     return (levels * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
 
 
-def quantize_dither(x: torch.Tensor, bits: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dither(
+    x: torch.Tensor, bits: int, gen: torch.Generator, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(decoded, levels) of x with subtractive dither (module doc); levels stay in [-L, L].
     An all-zero row (a row of the embedding's unseen tokens) decodes to 0: dithering it would
-    hand Adam noise, and so full-size steps, for parameters that had no gradient."""
+    hand Adam noise, and so full-size steps, for parameters that had no gradient.
+    ``u``: the dither, one per element of x's rows of BUCKET (default: drawn from ``gen``)."""
     rows, step = _grid(x, bits)
-    u = torch.rand(rows.shape, generator=gen)  # the receivers draw the same from the sender's seed
+    if u is None:
+        u = torch.rand(rows.shape, generator=gen)  # the receivers draw the same from the sender's seed
     levels = torch.floor(_in_steps(rows, step) + u)
     return ((levels - u + 0.5) * step).flatten()[: x.numel()], levels.flatten()[: x.numel()]
 
@@ -190,6 +203,7 @@ class PrototypeExchange:
         self.gens = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORLD)]
         self.residuals: list[Grads] = [{} for _ in range(WORLD)]
         self.ema: Grads = {}  # EMA of the decoded mean's square (adam-dither)
+        self.first_u: dict[tuple[int, str], torch.Tensor] = {}  # anti-dither, tdither: u to pair with
         self.updates = 0
         config = config or TailConfig()  # the -auto budget's settings (--budget)
         self.candidates = sorted(config.candidate_bits)
@@ -234,6 +248,9 @@ class PrototypeExchange:
             if self.method.kind == "nearest":
                 decoded, levels = quantize_nearest(x, bits)
                 self.residuals[rank][name] = x - decoded  # error feedback: resent next step
+            elif self.method.kind in ANTITHETIC:
+                u = self._antithetic_u(rank, name, step, x)
+                decoded, levels = quantize_dither(x, bits, self.gens[rank], u)
             else:
                 decoded, levels = quantize_dither(x, bits, self.gens[rank])
                 if self.method.kind == "dither-ef":
@@ -246,6 +263,17 @@ class PrototypeExchange:
         for decoded in decoded_xs:
             total += decoded if scale is None else decoded * scale
         return total / WORLD, sent
+
+    def _antithetic_u(self, rank: int, name: str, step: int, x: torch.Tensor) -> torch.Tensor:
+        """The dither of anti-dither and tdither: a fresh u, or 1 - u of the draw it is paired with
+        (anti-dither: the even rank's of this step; tdither: this rank's own of the step before)."""
+        key = (rank - rank % 2, name) if self.method.kind == "anti-dither" else (rank, name)
+        pairs_second = rank % 2 == 1 if self.method.kind == "anti-dither" else step % 2 == 1
+        if pairs_second and key in self.first_u:
+            return 1.0 - self.first_u.pop(key)
+        u = torch.rand((math.ceil(x.numel() / BUCKET), BUCKET), generator=self.gens[rank])
+        self.first_u[key] = u
+        return u
 
     def _noise_sq(self, x: torch.Tensor, bits: int) -> float:
         """What quantizing x at ``bits`` adds, summed: exact for nearest, dither's known variance."""

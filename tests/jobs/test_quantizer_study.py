@@ -51,6 +51,42 @@ def test_an_all_zero_bucket_decodes_to_exactly_zero():
     assert torch.equal(qs.quantize_nearest(x, 3)[0], x)
 
 
+def _spiky(buckets: int = 8) -> torch.Tensor:
+    """One spike per bucket (a grid of step 1 at 3 bits), the odd elements 1/16 of a step, the
+    other even ones 0."""
+    x = torch.zeros(buckets * qs.BUCKET)
+    x[1::2] = 0.0625
+    x[:: qs.BUCKET] = 3.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["anti-dither", "tdither"])
+def test_antithetic_dither_pairs_cancel_where_the_values_are_far_below_a_step(kind):
+    # anti-dither: rank 1 dithers with 1 - u of rank 0's u, so two ranks sending the same zeros
+    # err by -e and e. tdither: each rank's odd step uses 1 - u of its own even step.
+    x = _spiky()
+    ex = qs.PrototypeExchange(qs.Method(kind, 3), seed=0, warmup=qs.Warmup(0))
+    plain = qs.PrototypeExchange(qs.Method("dither", 3), seed=0, warmup=qs.Warmup(0))
+    zeros = x == 0
+    steps = (6,) if kind == "anti-dither" else (6, 7)
+
+    def delivered(exchange: qs.PrototypeExchange) -> torch.Tensor:
+        means = [exchange.deliver([{"w": x}, {"w": x.clone()}], s, lr=1e-3)[0]["w"] for s in steps]
+        return sum(means) / len(means)
+
+    mean, other = delivered(ex), delivered(plain)
+    assert float((mean - x)[zeros].abs().max()) < 1e-6  # exact zeros cancel
+    assert float((other - x)[zeros].abs().max()) > 0.1  # independent dither: ~a step / 2
+    # Each rank's own error is still one dither: uniform on +-step/2, unbiased.
+    assert float((mean - x).abs().max()) <= 0.5 + 1e-6
+    # 1/16 of a step: the pair's errors cancel unless a draw falls within 1/16 of a level's
+    # edge; the mean error's power is 2a(1 - 2a) / 4 (a = 1/16) against 1/24 for independent u.
+    small = x == 0.0625
+    paired_sq, plain_sq = float((mean - x)[small].square().mean()), float((other - x)[small].square().mean())
+    assert paired_sq == pytest.approx(2 * 0.0625 * (1 - 2 * 0.0625) / 4 / len(steps), rel=0.25)
+    assert plain_sq == pytest.approx(1 / 24 / len(steps), rel=0.25)
+
+
 def test_auto_bits_are_the_smallest_within_the_engines_budget():
     # A bucket of one spike and small values: the dither noise falls ~4x per bit, and the
     # budget (tau of the engine's BudgetPolicy) decides where to stop.
@@ -69,6 +105,8 @@ def test_auto_bits_are_the_smallest_within_the_engines_budget():
 
 def test_methods_parse_and_refuse_with_what_is_accepted():
     assert qs.Method.parse("adam-dither-3") == qs.Method("adam-dither", 3)
+    assert qs.Method.parse("anti-dither-3") == qs.Method("anti-dither", 3)
+    assert qs.Method.parse("tdither-auto") == qs.Method("tdither")
     assert qs.Method.parse("tail").label == "tail"
     auto = qs.Method.parse("dither-auto")
     assert auto == qs.Method("dither") and auto.auto and auto.label == "dither-auto"
