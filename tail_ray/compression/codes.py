@@ -31,6 +31,7 @@ import numpy as np
 
 from tail_ray.compression import level_histograms as hist
 from tail_ray.compression import rans
+from tail_ray.compression.dither_fold import fold_levels
 from tail_ray.compression.entropy_model import EntropyModel, ModelFit
 from tail_ray.compression.grid import levels_max
 from tail_ray.compression.pair_symbols import PAIR_MAX_BITS
@@ -67,7 +68,7 @@ class LayerHeader:
     bucket_size: int
     nnz: int
     scales: np.ndarray
-    dither_seed: int | None = None  # QUANT_DITHER: the seed of the uniforms to subtract
+    dither_seed: int | None = None  # QUANT_DITHER(_FOLDED): the seed of the uniforms to subtract
 
 
 In = TypeVar("In")
@@ -106,7 +107,7 @@ class LayerCode(ABC, Generic[In]):
 class LevelCode(LayerCode["LevelStats"]):
     """Base of the codes of quantized levels: decoding is levels -> ``QuantRecord``."""
 
-    kinds: ClassVar[frozenset[Kind]] = frozenset({Kind.QUANT, Kind.QUANT_DITHER})
+    kinds: ClassVar[frozenset[Kind]] = frozenset({Kind.QUANT, Kind.QUANT_DITHER, Kind.QUANT_DITHER_FOLDED})
 
     @abstractmethod
     def decode_levels(
@@ -116,6 +117,9 @@ class LevelCode(LayerCode["LevelStats"]):
 
     def decode(self, body: np.ndarray, head: LayerHeader) -> LayerRecord:
         levels = self.decode_levels(body, head.numel, head.bits, head.nnz, layer=head.name)
+        if head.kind == Kind.QUANT_DITHER_FOLDED:  # the wire's sign fold undone (its own inverse)
+            assert head.dither_seed is not None  # the container reads the seed of this kind
+            levels = fold_levels(levels, head.bucket_size, head.dither_seed)
         return QuantRecord(
             head.name, head.bits, head.bucket_size, head.scales, levels, dither_seed=head.dither_seed
         )

@@ -56,7 +56,7 @@ __all__ = [
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _bucket_state(seed, k):  # type: ignore[no-untyped-def]
+def bucket_state(seed, k):  # type: ignore[no-untyped-def]
     return splitmix(np.uint64(seed) ^ (np.uint64(k + 1) * np.uint64(0xD1B54A32D192ED03)))
 
 
@@ -77,7 +77,7 @@ def _dither_bucket(xb, lb, tab, seed, k, m, lmax):  # type: ignore[no-untyped-de
     """Dither bucket k (scale m > 0) of a layer; returns its non-zero level count."""
     pre = TINY_PRESCALE if m < TINY_SCALE else np.float32(1.0)
     inv = np.float32(lmax) / (m * pre)
-    h = _bucket_state(seed, k)
+    h = bucket_state(seed, k)
     cnt = 0
     for lo in range(0, xb.size, CHUNK):
         hi = min(xb.size, lo + CHUNK)
@@ -134,7 +134,7 @@ def dither_core_ef(g, e, bucket_size, lmax, seed, levels, scales, tab):  # type:
 def _chunk_window(seed, k, c):  # type: ignore[no-untyped-def]
     """(table offset, rotation) of chunk c of bucket k: the draw the walk in ``_dither_bucket``
     makes for it, computed directly (a decoder that starts mid-bucket, or samples)."""
-    return chunk_draw(_bucket_state(seed, k) + np.uint64(c + 1) * np.uint64(GOLDEN))
+    return chunk_draw(bucket_state(seed, k) + np.uint64(c + 1) * np.uint64(GOLDEN))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -161,7 +161,7 @@ def undither_core(levels, steps, bucket_size, seed, tab, out):  # type: ignore[n
             ob[:] = 0
             continue
         lb = levels[lo:hi]
-        h = _bucket_state(seed, k)
+        h = bucket_state(seed, k)
         for c in range(0, hi - lo, CHUNK):
             d = min(hi - lo, c + CHUNK)
             h = h + np.uint64(GOLDEN)

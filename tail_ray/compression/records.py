@@ -37,6 +37,9 @@ class Kind(IntEnum):
     SPARSE_F32 = 3  # indices: int64[nnz] strictly increasing, values: float32[nnz]
     LOWRANK = 4  # two quantized factors P, Q: the layer is P Q^T (rows x cols, row-major)
     QUANT_DITHER = 5  # QUANT made by subtractive dither, plus the u32 seed of its uniforms
+    # QUANT_DITHER whose levels are coded sign-folded by their uniforms (dither_fold.py): what
+    # the wire sends for a dithered layer; a decoded record is QUANT_DITHER again.
+    QUANT_DITHER_FOLDED = 6
 
 
 @dataclass(frozen=True, slots=True, eq=False)

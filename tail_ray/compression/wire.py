@@ -9,7 +9,8 @@ has the full layout; in short (all little-endian, varint = unsigned LEB128):
     header   magic b"TAIL" | version u8 (=3) | flags u8 | reserved u16 | n_layers u32
     layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | want u8 | varint numel
              | varint bucket_size | varint n_scales | varint nnz | varint body_len
-             | scales f32[n_scales] | [dither_seed u32: kind QUANT_DITHER only] | body u8[body_len]
+             | scales f32[n_scales] | [dither_seed u32: kinds QUANT_DITHER(_FOLDED) only]
+             | body u8[body_len]
     trailer  crc32 u32 of everything before it
 
 The CRC32 trailer (version 3) exists because the framing checks alone cannot see every
@@ -21,6 +22,11 @@ payload raises ``CodecError(field="checksum")`` instead of silently poisoning th
 ``want`` (the byte that was reserved, 0, before it) is the rank the sender's low-rank chooser
 wants for a QUANT or LOWRANK layer (records.py); 0 on every other kind, checked. A payload
 written before it has 0 there and decodes as it did ("wants nothing": quantize).
+
+A dithered layer goes as QUANT_DITHER_FOLDED: its levels are coded negated where their
+uniform is >= 1/2 (dither_fold.py), and the level codes unfold them on decoding, so records
+keep their levels as the quantizer made them. QUANT_DITHER (levels coded as they are) still
+decodes.
 
 RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
 container never inspects float values. QUANT scales are float32 and pass through the same way.
@@ -37,6 +43,7 @@ import numpy as np
 
 from tail_ray.compression.code_table import DEFAULT_CODES, CodeTable
 from tail_ray.compression.codes import LayerHeader
+from tail_ray.compression.dither_fold import fold_levels
 from tail_ray.compression.records import Kind, LayerRecord, LowRankRecord, QuantRecord
 from tail_ray.compression.varint import read_varint, varint
 from tail_ray.errors import CodecError
@@ -60,7 +67,8 @@ PAYLOAD_OVERHEAD_BYTES = _HEADER.size + _CHECKSUM.size
 _LAYER_FIXED = struct.Struct("<BBBB")  # kind, code, bits, want (QUANT / LOWRANK; else 0)
 MAX_WANT = 255  # a rank the sender's low-rank chooser wants: one byte
 _NAME_LEN = struct.Struct("<H")
-_DITHER_SEED = struct.Struct("<I")  # QUANT_DITHER: the seed of the uniforms the receiver subtracts
+_DITHER_SEED = struct.Struct("<I")  # QUANT_DITHER(_FOLDED): the seed of the uniforms the receiver subtracts
+QUANT_KINDS = (Kind.QUANT, Kind.QUANT_DITHER, Kind.QUANT_DITHER_FOLDED)  # levels, bits, a scale per bucket
 
 # Sane upper bounds checked before any allocation: a corrupted length must never make the
 # decoder allocate gigabytes or loop for minutes. A receiver that knows its model passes a
@@ -126,8 +134,9 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
     if not 0 <= rec.numel <= MAX_NUMEL:
         raise CodecError(f"numel {rec.numel} outside [0, {MAX_NUMEL}]", layer=rec.name, field="numel")
     scales = _scales_of(rec)  # the framing is checked before any time goes into the body
+    kind, coded = _wire_form(rec)
     try:
-        code, nnz, body = codes.encode(rec)
+        code, nnz, body = codes.encode(coded)
     except CodecError as exc:
         if exc.layer is not None:
             raise
@@ -141,7 +150,7 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
         (
             _NAME_LEN.pack(len(name)),
             name,
-            _LAYER_FIXED.pack(int(rec.kind), int(code), bits, want),
+            _LAYER_FIXED.pack(int(kind), int(code), bits, want),
             varint(rec.numel),
             varint(bucket),
             varint(scales.size),
@@ -153,6 +162,16 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
     if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
         sc += _DITHER_SEED.pack(rec.dither_seed)
     return head, sc, body, EncodedLayer(rec.name, len(head) + len(sc) + len(body), codes.name(code), nnz)
+
+
+def _wire_form(rec: LayerRecord) -> tuple[Kind, LayerRecord]:
+    """The kind a record goes as, and the record whose body is coded: a dithered layer's levels
+    sign-folded by their uniforms (dither_fold.py: its sign bits, which the receiver could
+    guess from u, no longer cost the entropy coder), every other record as it is."""
+    if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
+        folded = fold_levels(rec.levels, rec.bucket_size, rec.dither_seed)
+        return Kind.QUANT_DITHER_FOLDED, replace(rec, levels=folded)
+    return rec.kind, rec
 
 
 def encode_payload(
@@ -235,7 +254,7 @@ def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales:
         if not 1 <= bucket <= MAX_BUCKET_SIZE:
             raise CodecError(f"bucket_size {bucket} out of range", layer=name, field="bucket_size")
         return
-    if kind not in (Kind.QUANT, Kind.QUANT_DITHER):
+    if kind not in QUANT_KINDS:
         if n_scales:
             raise CodecError(f"{kind.name} layer carries {n_scales} scales", layer=name, field="n_scales")
         return
@@ -276,7 +295,7 @@ def _read_layer(
     scales = buf[pos : pos + 4 * n_scales]
     pos += 4 * n_scales
     dither_seed = None
-    if kind == Kind.QUANT_DITHER:
+    if kind in (Kind.QUANT_DITHER, Kind.QUANT_DITHER_FOLDED):
         if pos + _DITHER_SEED.size > size:
             raise CodecError("truncated payload inside the dither seed", layer=name, field="dither_seed")
         (dither_seed,) = _DITHER_SEED.unpack(buf[pos : pos + _DITHER_SEED.size].tobytes())
@@ -286,7 +305,7 @@ def _read_layer(
             f"body_len {body_len} exceeds the {size - pos} bytes left", layer=name, field="body_len"
         )
     _check_kind_fields(kind, bits, bucket, numel, n_scales, name=name)
-    if want and kind not in (Kind.QUANT, Kind.QUANT_DITHER, Kind.LOWRANK):
+    if want and kind not in (*QUANT_KINDS, Kind.LOWRANK):
         raise CodecError(f"{kind.name} layer carries want {want}", layer=name, field="want")
     head = LayerHeader(
         name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32), dither_seed=dither_seed

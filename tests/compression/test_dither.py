@@ -114,8 +114,9 @@ def test_the_wire_carries_the_seed_and_refuses_a_truncated_one():
     assert np.array_equal(
         record_to_flat(got[0]).numpy(), dequantize(rec.levels, rec.scales, 3, BUCKET, 0xDEADBEEF)
     )
-    # The seed costs its 4 bytes and nothing else.
-    assert costs[0].encoded_bytes - costs[1].encoded_bytes == 4 + len("w") - len("p")
+    # The seed costs its 4 bytes; the levels go sign-folded by their uniforms (dither_fold.py),
+    # which costs the coder fewer bytes than the same levels sent plain.
+    assert costs[0].encoded_bytes - 4 < costs[1].encoded_bytes
     # A flipped seed bit is caught by the checksum; cut inside the seed (re-sealed: past the
     # CRC), the parser names the field.
     broken = bytearray(payload)
