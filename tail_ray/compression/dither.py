@@ -166,8 +166,15 @@ def undither_core(levels, steps, bucket_size, seed, tab, out):  # type: ignore[n
             d = min(hi - lo, c + CHUNK)
             h = h + np.uint64(GOLDEN)
             off, rot = chunk_draw(h)
-            for i in range(c, d):
-                ob[i] = _undithered(lb[i], uniform(tab[off + (i - c)], rot), step)
+            _undither_chunk(lb[c:d], tab[off : off + (d - c)], rot, step, ob[c:d])
+
+
+@njit(cache=True, nogil=True)
+def _undither_chunk(lb, tb, rot, step, ob):  # type: ignore[no-untyped-def]
+    """One chunk of ``undither_core`` over its own table window: a loop numba vectorizes
+    (indexing the whole layer and table inline in the bucket loop ran ~10x slower)."""
+    for i in range(lb.size):
+        ob[i] = _undithered(lb[i], uniform(tb[i], rot), step)
 
 
 def dither_error_sq(scales: np.ndarray, bits: int, bucket_size: int, numel: int) -> float:
