@@ -18,7 +18,9 @@ of the last step apart, every byte counted once:
            and non-finite ones)
 
 plus the payload's own header and checksum, the layer's share of the payload, and its levels
-against their order-0 entropy bound (H0, the best a static per-layer model can do) and an
+against their order-0 entropy bound (H0, the best a static per-layer model can do, taken on the
+levels as the quantizer made them: a dithered layer's, coded sign-folded by their uniforms,
+can go below it, docs/wire-format.md) and an
 order-1 bound (H1: each level's entropy given its neighbours' magnitudes, ``context_bound_bytes``),
 which says how much a context-modelling coder could gain over the order-0 one before its
 larger tables.
@@ -46,7 +48,7 @@ from tail_ray.compression.codes import Code, LevelStats
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
-from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, decode_payload
+from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, decode_payload, wire_form
 
 
 @dataclass
@@ -120,9 +122,12 @@ def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, 
     for rec in decode_payload(payload):
         s = stats[rec.name]
         if isinstance(rec, QuantRecord):
-            level_stats = LevelStats(rec.levels, rec.bits)
+            # What the body codes: a dithered layer's levels sign-folded (dither_fold.py); the
+            # bounds stay those of the levels as the quantizer made them (what the fold beats).
+            coded = wire_form(rec)[1]
+            level_stats = LevelStats(coded.levels, coded.bits)
             scales = 4 * int(rec.scales.size)
-            code, _nnz, body = DEFAULT_CODES.encode(rec)
+            code, _nnz, body = DEFAULT_CODES.encode(coded)
             assert DEFAULT_CODES.name(code) == s.code  # the same choice as the payload's
             tables = _tables_bytes(s.code, level_stats)
             h0 = min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels))

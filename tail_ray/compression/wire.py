@@ -134,7 +134,7 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
     if not 0 <= rec.numel <= MAX_NUMEL:
         raise CodecError(f"numel {rec.numel} outside [0, {MAX_NUMEL}]", layer=rec.name, field="numel")
     scales = _scales_of(rec)  # the framing is checked before any time goes into the body
-    kind, coded = _wire_form(rec)
+    kind, coded = wire_form(rec)
     try:
         code, nnz, body = codes.encode(coded)
     except CodecError as exc:
@@ -164,7 +164,7 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
     return head, sc, body, EncodedLayer(rec.name, len(head) + len(sc) + len(body), codes.name(code), nnz)
 
 
-def _wire_form(rec: LayerRecord) -> tuple[Kind, LayerRecord]:
+def wire_form(rec: LayerRecord) -> tuple[Kind, LayerRecord]:
     """The kind a record goes as, and the record whose body is coded: a dithered layer's levels
     sign-folded by their uniforms (dither_fold.py: its sign bits, which the receiver could
     guess from u, no longer cost the entropy coder), every other record as it is."""
