@@ -630,14 +630,15 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="override the steps of every task (a smoke run, or a longer one: the lr drop scales with it)",
     )
-    parser.add_argument(
+    seeding = parser.add_mutually_exclusive_group()
+    seeding.add_argument(
         "--seed", type=int, default=SEED, help="data and model seed (Tail's rounding seed is random per run)"
     )
-    parser.add_argument(
+    seeding.add_argument(
         "--seeds",
         metavar="LIST",
         help="run every seed in turn, e.g. 0-4 or 0,2,5, and end with each method's mean and worst "
-        "against none over them (jobs/seed_summary.py; needs the none method; replaces --seed)",
+        "against none over them (jobs/seed_summary.py; needs the none method; not with --seed)",
     )
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="kill the workers past this")
     parser.add_argument(

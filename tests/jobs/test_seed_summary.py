@@ -88,6 +88,7 @@ def test_vs_none_is_points_for_accuracy_and_percent_for_a_loss():
         (["--seeds", "0-x"], "like 0-4"),
         (["--seeds", "0-1", "--methods", "tail"], "add none to --methods"),
         (["--seeds", "0-1", "--plot", "bits.png"], "use it with --seed"),
+        (["--seeds", "0-1", "--seed", "3"], "not allowed with argument"),
     ],
 )
 def test_bad_seeds_are_refused_before_any_run(argv, message, capsys):
