@@ -32,18 +32,23 @@ def _small_values(n: int, seed: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("numel", [1, 511, 512, 3000, 2048 + 7])
-def test_the_fold_negates_exactly_where_the_dithers_uniform_is_at_least_a_half(numel):
+@pytest.mark.parametrize(
+    "numel, bucket",
+    [(1, BUCKET), (511, BUCKET), (512, BUCKET), (3000, BUCKET), (2048 + 7, BUCKET), (9000, 4096)],
+)
+def test_the_fold_negates_exactly_where_the_dithers_uniform_is_at_least_a_half(numel, bucket):
+    # (A bucket of 4096 spans four of the uniform table's chunks: the fold walks them as the
+    # dither kernel does.)
     seed = 0x5EED0 + numel
     rng = np.random.default_rng(numel)
     levels = rng.integers(-7, 8, numel).astype(np.int8)
-    folded = fold_levels(levels, BUCKET, seed)
+    folded = fold_levels(levels, bucket, seed)
     # The decoder's own uniforms: a zero level decodes to (1/2 - u) * step, <= 0 iff u >= 1/2.
     zeros = np.zeros(numel, np.int8)
-    u_side = dequantize(zeros, np.full(-(-numel // BUCKET), 7.0, np.float32), 4, BUCKET, seed) <= 0
+    u_side = dequantize(zeros, np.full(-(-numel // bucket), 7.0, np.float32), 4, bucket, seed) <= 0
     assert np.array_equal(folded, np.where(u_side, -levels, levels))
     assert 0.4 < u_side.mean() < 0.6 or numel < 100
-    assert np.array_equal(fold_levels(folded, BUCKET, seed), levels)  # its own inverse
+    assert np.array_equal(fold_levels(folded, bucket, seed), levels)  # its own inverse
 
 
 def test_a_dithered_layer_goes_folded_and_decodes_to_the_quantizers_levels():
