@@ -31,7 +31,6 @@ import numpy as np
 
 from tail_ray.compression import level_histograms as hist
 from tail_ray.compression import rans
-from tail_ray.compression.dither_fold import fold_levels
 from tail_ray.compression.entropy_model import EntropyModel, ModelFit
 from tail_ray.compression.grid import levels_max
 from tail_ray.compression.pair_symbols import PAIR_MAX_BITS
@@ -117,9 +116,6 @@ class LevelCode(LayerCode["LevelStats"]):
 
     def decode(self, body: np.ndarray, head: LayerHeader) -> LayerRecord:
         levels = self.decode_levels(body, head.numel, head.bits, head.nnz, layer=head.name)
-        if head.kind == Kind.QUANT_DITHER_FOLDED:  # the wire's sign fold undone (its own inverse)
-            assert head.dither_seed is not None  # the container reads the seed of this kind
-            levels = fold_levels(levels, head.bucket_size, head.dither_seed)
         return QuantRecord(
             head.name, head.bits, head.bucket_size, head.scales, levels, dither_seed=head.dither_seed
         )

@@ -24,9 +24,9 @@ wants for a QUANT or LOWRANK layer (records.py); 0 on every other kind, checked.
 written before it has 0 there and decodes as it did ("wants nothing": quantize).
 
 A dithered layer goes as QUANT_DITHER_FOLDED: its levels are coded negated where their
-uniform is >= 1/2 (dither_fold.py), and the level codes unfold them on decoding, so records
-keep their levels as the quantizer made them. QUANT_DITHER (levels coded as they are) still
-decodes.
+uniform is >= 1/2 (dither_fold.py; ``wire_form``), and ``decode_payload`` unfolds them
+(``unfolded``), so records keep their levels as the quantizer made them. QUANT_DITHER
+(levels coded as they are) still decodes.
 
 RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
 container never inspects float values. QUANT scales are float32 and pass through the same way.
@@ -172,6 +172,13 @@ def wire_form(rec: LayerRecord) -> tuple[Kind, LayerRecord]:
         folded = fold_levels(rec.levels, rec.bucket_size, rec.dither_seed)
         return Kind.QUANT_DITHER_FOLDED, replace(rec, levels=folded)
     return rec.kind, rec
+
+
+def unfolded(rec: QuantRecord) -> QuantRecord:
+    """``wire_form``'s fold undone on a decoded QUANT_DITHER_FOLDED layer (the fold is its own
+    inverse): the levels as the sender's quantizer made them."""
+    assert rec.dither_seed is not None  # the container reads the seed of this kind
+    return replace(rec, levels=fold_levels(rec.levels, rec.bucket_size, rec.dither_seed))
 
 
 def encode_payload(
@@ -330,6 +337,8 @@ def decode_payload(
         head, code, body, pos, want = _read_layer(buf, pos, f"#{i}", max_numel, total_numel)
         total_numel += head.numel
         rec = codes.decoder(code, head.kind, layer=head.name).decode(body, head)
+        if head.kind == Kind.QUANT_DITHER_FOLDED and isinstance(rec, QuantRecord):
+            rec = unfolded(rec)
         if want and isinstance(rec, QuantRecord | LowRankRecord):
             rec = replace(rec, want=want)
         if rec.numel != head.numel:  # a code's own bug, never the payload's: say so, do not pass it on
