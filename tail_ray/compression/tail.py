@@ -286,11 +286,12 @@ class TailCompressor(RecordCompressor):
     def _dither_layer(
         self, name: str, g: LayerArray, sums_sq: tuple[float, float], plan: LayerPlan, step: int
     ) -> CompressedLayer:
-        """g (plus any residual left, sent once) dithered at the plan's bits, or the largest
-        candidate in the layer's first steps; its error is known exactly from the scales.
+        """g (plus any residual left, sent once) dithered at the plan's bits, or at the start
+        bits (``TailConfig.start_bits``) in the layer's first steps; its error is known exactly
+        from the scales.
         ``sums_sq``: ||g||^2 and the ||e||^2 of the residual carried in."""
         g_sq, e_sq = sums_sq
-        bits = max(self.config.candidate_bits) if step < self.config.dither_start_steps else plan.bits
+        bits = self.config.start_bits() if step < self.config.dither_start_steps else plan.bits
         seed = layer_seed(self._seed, step, name)
         cuts = self._slice_starts.get(name)
         record, nnz = self.quantize_layer(name, g, bits, plan.bucket_size, seed, "dither", cuts=cuts)

@@ -187,12 +187,13 @@ def test_tail_sends_dithered_layers_with_a_known_error_and_no_residual():
         )
         assert "w" not in comp.feedback  # no residual is kept
         bits_seen.append(w.bits)
-    assert bits_seen[:DITHER_START_STEPS] == [max(TailConfig().candidate_bits)] * DITHER_START_STEPS
-    assert max(bits_seen[DITHER_START_STEPS:]) < max(TailConfig().candidate_bits)
+    start_bits = TailConfig().start_bits()
+    assert bits_seen[:DITHER_START_STEPS] == [start_bits] * DITHER_START_STEPS
+    assert max(bits_seen[DITHER_START_STEPS:]) < start_bits
 
 
 @pytest.mark.parametrize("start_steps", [0, 2])
-def test_dither_start_steps_sets_how_many_first_steps_go_at_the_largest_bits(start_steps):
+def test_dither_start_steps_sets_how_many_first_steps_go_at_the_start_bits(start_steps):
     comp = TailCompressor(TailConfig(rounding="dither", seed=6, dither_start_steps=start_steps))
     rng = np.random.default_rng(8)
     bits_seen = []
@@ -200,12 +201,39 @@ def test_dither_start_steps_sets_how_many_first_steps_go_at_the_largest_bits(sta
         w = next(r for r in decode_payload(comp.compress(_grads(rng))) if r.name == "w")
         assert isinstance(w, QuantRecord)
         bits_seen.append(w.bits)
-    largest = max(TailConfig().candidate_bits)
-    assert bits_seen[:start_steps] == [largest] * start_steps
-    assert max(bits_seen[start_steps:]) < largest
+    start_bits = TailConfig().start_bits()
+    assert bits_seen[:start_steps] == [start_bits] * start_steps
+    assert max(bits_seen[start_steps:]) < start_bits
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="dither_start_steps"):
             TailConfig(dither_start_steps=bad)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, 8),  # the default: the largest of (2, 3, 4, 5, 6, 8)
+        ({"dither_start_bits": 6}, 6),
+        ({"dither_start_bits": 7}, 6),  # not a candidate: the largest one below it
+        ({"candidate_bits": (2, 3, 4)}, 4),
+        ({"candidate_bits": (8,)}, 8),  # pinned bits stay pinned
+        ({"candidate_bits": (3, 8), "dither_start_bits": 2}, 3),  # all above: the smallest
+    ],
+)
+def test_start_bits_are_the_largest_candidate_not_above_dither_start_bits(settings, expected):
+    assert TailConfig(**settings).start_bits() == expected
+
+
+def test_the_first_steps_go_at_the_start_bits_and_bad_start_bits_are_refused():
+    comp = TailCompressor(TailConfig(rounding="dither", seed=7, dither_start_bits=6, dither_start_steps=2))
+    rng = np.random.default_rng(3)
+    bits = [
+        next(r for r in decode_payload(comp.compress(_grads(rng))) if r.name == "w").bits for _ in range(2)
+    ]
+    assert bits == [6, 6]
+    for bad in (1, 9, 6.0, True, "6"):
+        with pytest.raises(ConfigError, match="dither_start_bits"):
+            TailConfig(dither_start_bits=bad)
 
 
 def test_a_restored_residual_is_sent_once_under_dither():
