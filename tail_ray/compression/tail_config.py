@@ -210,6 +210,8 @@ class TailConfig:
         if self.warmup_steps < 0 or self.critical_steps < 0:
             raise ConfigError("warmup_steps and critical_steps must be >= 0")
         self._check_dither_start()
+        if self.lowrank is False:  # YAML 1.1 (PyYAML) reads a job spec's `lowrank: off` as False
+            object.__setattr__(self, "lowrank", "off")
         choices = (
             ("lowrank", LOWRANK_MODES),
             ("lowrank_target", LOWRANK_TARGETS),

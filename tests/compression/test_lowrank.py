@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from tail_ray.bitwidth.lowrank_rows import rows_lost_share
 from tail_ray.compression.lowrank import compress_lowrank, factor_bytes, matrix_shape, max_rank, reconstruct
@@ -179,6 +180,10 @@ def test_lowrank_needs_a_known_mode() -> None:
     with pytest.raises(ConfigError, match="lowrank_bits"):
         TailConfig(lowrank="auto", lowrank_bits=6.5)
     assert TailConfig(lowrank="auto", lowrank_bits=6.0, lowrank_ranks=[4, 2]).lowrank_ranks == (2, 4)
+    # A job spec's `lowrank: off` reaches the config as YAML's False; True is no mode.
+    assert TailConfig(lowrank=yaml.safe_load("lowrank: off")["lowrank"]).lowrank == "off"
+    with pytest.raises(ConfigError, match="lowrank must be one of"):
+        TailConfig(lowrank=True)
 
 
 def test_error_feedback_keeps_exactly_what_the_receivers_did_not_get() -> None:
