@@ -59,7 +59,7 @@ from tail_ray.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LOWRANK_MODES = ("off", "auto")
+LOWRANK_MODES = ("off", "auto", "on")  # "auto": for optimizers linear in the gradient
 LOWRANK_TARGETS = ("auto", "bits", "budget")  # "auto": TailConfig.lowrank_target_for
 TRIAL_TIMES_KEPT = 4096  # the latest trials' times a chooser keeps for the benchmarks
 

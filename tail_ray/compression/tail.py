@@ -99,9 +99,9 @@ class TailCompressor(RecordCompressor):
         self.lowrank: LowRankChooser | None = None
         # What every rank sends, agreed from every rank's wants (bitwidth/lowrank_agree.py).
         self.agreement = RankAgreement(self.config.lowrank_agree)
-        # Without error feedback "auto" quantizes every layer: a low-rank step leaves most of a
+        # Without error feedback every layer is quantized: a low-rank step leaves most of a
         # gradient to the residual (an ablation's TailConfig(error_feedback=False) stays valid).
-        if self.config.lowrank == "auto" and self.config.error_feedback:
+        if self.config.lowrank != "off" and self.config.error_feedback:
             self.lowrank = LowRankChooser(
                 self.config.lowrank_settings(),
                 bucket_size=self.config.bucket_size,
@@ -266,8 +266,8 @@ class TailCompressor(RecordCompressor):
         if e_sq > _RESIDUAL_LIMIT * max(sum_sq, typical * typical):
             self.controller.invalidate(name)
         plan = self.controller.plan(name, g, residual, step, math.sqrt(sum_sq))
-        if self.lowrank is not None:
-            nu_allowed = plan.rel_error if self.lowrank.target == "bits" else plan.tau
+        if (chooser := self._chooser()) is not None:
+            nu_allowed = plan.rel_error if chooser.target == "bits" else plan.tau
             lowrank = self._lowrank_layer(name, g, sum_sq, nu_allowed, step)
             if lowrank is not None:
                 return lowrank
@@ -304,8 +304,13 @@ class TailCompressor(RecordCompressor):
 
     def _with_want(self, record: QuantRecord) -> QuantRecord:
         """The record with the rank this rank's low-rank chooser wants for the layer."""
-        rank = self.lowrank.rank_of(record.name) if self.lowrank is not None else 0
+        rank = chooser.rank_of(record.name) if (chooser := self._chooser()) is not None else 0
         return replace(record, want=rank) if rank else record
+
+    def _chooser(self) -> LowRankChooser | None:
+        """The low-rank chooser in force: under "auto" only while the optimizer is known to be
+        linear in the gradient (``set_linear_optimizer``; why: TailConfig.lowrank)."""
+        return self.lowrank if self.config.lowrank == "on" or self.controller.policy.linear else None
 
     def second_stage(self) -> TailCompressor:
         """A Tail compressor for the mean an owner re-compresses, with its own residuals and a

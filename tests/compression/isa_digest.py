@@ -248,9 +248,9 @@ def _lowrank_kernel_outputs() -> list[np.ndarray | bytes | float | int]:
 
 
 def _lowrank_steps() -> list[np.ndarray | bytes | float | int]:
-    """Two ranks with ``lowrank="auto"`` (agreed choice) on a rank-2 matrix plus noise: the
+    """Two ranks with ``lowrank="on"`` (agreed choice) on a rank-2 matrix plus noise: the
     choosers' trials, the agreement, the factors and their error feedback, 24 steps."""
-    settings = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
+    settings = {"lowrank": "on", "warmup_steps": 0, "redecide_every_steps": 4}
     ranks = [TailCompressor(TailConfig(**settings, seed=7 + r)) for r in range(2)]  # type: ignore[arg-type]
     rng = np.random.default_rng(12)
     u, v = rng.standard_normal((128, 2)), rng.standard_normal((256, 2))

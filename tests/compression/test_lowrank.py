@@ -166,7 +166,7 @@ def _low_rank_gradient(rows: int, cols: int, rank: int, step: int, noise: float 
 
 
 def _tail(**extra) -> TailCompressor:  # type: ignore[no-untyped-def]
-    config = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7} | extra
+    config = {"lowrank": "on", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7} | extra
     return TailCompressor(TailConfig(**config))
 
 
@@ -180,10 +180,11 @@ def test_lowrank_needs_a_known_mode() -> None:
     with pytest.raises(ConfigError, match="lowrank_bits"):
         TailConfig(lowrank="auto", lowrank_bits=6.5)
     assert TailConfig(lowrank="auto", lowrank_bits=6.0, lowrank_ranks=[4, 2]).lowrank_ranks == (2, 4)
-    # A job spec's `lowrank: off` reaches the config as YAML's False; True is no mode.
+    # A job spec's `lowrank: off` / `lowrank: on` reach the config as YAML's False / True.
     assert TailConfig(lowrank=yaml.safe_load("lowrank: off")["lowrank"]).lowrank == "off"
+    assert TailConfig(lowrank=yaml.safe_load("lowrank: on")["lowrank"]).lowrank == "on"
     with pytest.raises(ConfigError, match="lowrank must be one of"):
-        TailConfig(lowrank=True)
+        TailConfig(lowrank=1)
 
 
 def test_error_feedback_keeps_exactly_what_the_receivers_did_not_get() -> None:
@@ -263,14 +264,31 @@ def test_vectors_and_small_layers_are_never_lowrank() -> None:
     assert all(not st.code.startswith("lowrank") for st in comp.last_stats)
 
 
-def test_the_default_builds_a_chooser_and_off_or_no_error_feedback_never_does() -> None:
-    assert TailConfig().lowrank == "auto"
-    default = TailCompressor(TailConfig(seed=1))
+def _codes_over(comp: TailCompressor, steps: int) -> list[str]:
     codes = []
-    for step in range(40):  # past the warm-up and the first re-decision (step 20 here)
-        default.compress({"w": _low_rank_gradient(128, 256, 2, step)})
-        codes += [st.code for st in default.last_stats]
-    assert "lowrank-r2" in codes, codes
+    for step in range(steps):
+        comp.compress({"w": _low_rank_gradient(128, 256, 2, step)})
+        codes += [st.code for st in comp.last_stats]
+    return codes
+
+
+def test_the_default_goes_lowrank_under_a_linear_optimizer_only() -> None:
+    assert TailConfig().lowrank == "auto"
+    # 40 steps: past the warm-up and the first re-decision (step 20 here).
+    sgd = TailCompressor(TailConfig(seed=1))
+    sgd.set_linear_optimizer(True)  # what HookState.set_optimizer(SGD) says at the first step
+    assert "lowrank-r2" in _codes_over(sgd, 40)
+    # Adam, or a trainer that never says: every step quantized, bit for bit as "off" would send.
+    untold, off = TailCompressor(TailConfig(seed=1)), TailCompressor(TailConfig(seed=1, lowrank="off"))
+    for step in range(40):
+        g = _low_rank_gradient(128, 256, 2, step)
+        assert untold.compress({"w": g}) == off.compress({"w": g}), step
+    assert untold.lowrank is not None and untold.lowrank.ranks() == {}
+    # "on": low-rank whatever the optimizer, as "auto" was before it followed it.
+    assert "lowrank-r2" in _codes_over(TailCompressor(TailConfig(seed=1, lowrank="on")), 40)
+
+
+def test_off_or_no_error_feedback_never_builds_a_chooser() -> None:
     for config in (TailConfig(seed=1, lowrank="off"), TailConfig(seed=1, error_feedback=False)):
         comp = TailCompressor(config)
         for step in range(6):

@@ -1,6 +1,6 @@
 """One low-rank choice for every rank (bitwidth/lowrank_agree.py), through two simulated ranks.
 
-Two TailCompressors with ``lowrank="auto"`` stand for two workers: each compresses its own
+Two TailCompressors with ``lowrank="on"`` stand for two workers: each compresses its own
 gradients, then each aggregates both payloads (own=its rank), as the all-gather hook does. Their
 gradients differ on purpose, so their choosers want different things at some steps; what they
 SEND must still be the same kind and rank per layer at every step after the first exchange, and
@@ -44,7 +44,7 @@ def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _pair(agree: str = "all", world_size: int = 2) -> list[TailCompressor]:
-    settings: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4}
+    settings: dict[str, Any] = {"lowrank": "on", "warmup_steps": 0, "redecide_every_steps": 4}
     configs = [TailConfig(**settings, lowrank_agree=agree, seed=7 + r) for r in range(world_size)]
     return [TailCompressor(config) for config in configs]
 

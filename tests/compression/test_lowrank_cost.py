@@ -20,7 +20,7 @@ def _low_rank_gradient(rows: int, cols: int, step: int) -> torch.Tensor:
 
 
 def _tail(**extra) -> TailCompressor:  # type: ignore[no-untyped-def]
-    config = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7} | extra
+    config = {"lowrank": "on", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7} | extra
     return TailCompressor(TailConfig(**config))
 
 

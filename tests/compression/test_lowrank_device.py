@@ -116,7 +116,7 @@ def test_a_device_layer_goes_lowrank_with_exact_error_feedback_and_averages_as_t
     goes low-rank; each step the device residual is M less exactly what receivers reconstruct,
     and the mean written into a device gradient is the CPU aggregate's bits."""
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    config = TailConfig(lowrank="auto", warmup_steps=0, redecide_every_steps=4, seed=7)
+    config = TailConfig(lowrank="on", warmup_steps=0, redecide_every_steps=4, seed=7)
     ranks = [TailCompressor(config) for _ in range(2)]
     seen = 0
     for step in range(8):

@@ -20,7 +20,7 @@ from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.wire import decode_payload
 from tail_ray.errors import ConfigError
 
-_CONFIG: dict[str, Any] = {"lowrank": "auto", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7}
+_CONFIG: dict[str, Any] = {"lowrank": "on", "warmup_steps": 0, "redecide_every_steps": 4, "seed": 7}
 _BASIS = torch.Generator().manual_seed(1234)
 _U, _V = torch.randn(256, 2, generator=_BASIS), torch.randn(128, 2, generator=_BASIS)
 _U2, _V2 = torch.randn(96, 2, generator=_BASIS), torch.randn(192, 2, generator=_BASIS)
