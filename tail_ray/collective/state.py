@@ -147,7 +147,8 @@ class HookState:
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer stepping on what this hook delivers (tail_ray.train's session says it at
         its first step; a plain DDP script may call it once it has built one). Families with a
-        controller set their budget by whether it is linear in the gradient (bitwidth/policy.py)."""
+        controller set their budget by whether it is linear in the gradient (bitwidth/policy.py),
+        and Tail's default turns its low-rank layers on only then (TailConfig.lowrank)."""
         self.set_linear_optimizer(linear_in_gradient(optimizer))
 
     def set_linear_optimizer(self, linear: bool) -> None:

@@ -87,6 +87,24 @@ def test_a_restored_compressor_continues_bit_for_bit() -> None:
     assert max(b_ranks) > 2, b_ranks  # ... and stepped one up a rank (the generator's part)
 
 
+def test_the_default_restored_before_its_optimizer_speaks_keeps_the_saved_answer() -> None:
+    """lowrank "auto" under SGD: a resumed run compresses its first step before the trainer's
+    optimizer hook tells it "linear" again; the checkpoint's answer (the budget's) holds until
+    then, so the low-rank layers continue bit for bit."""
+    original = _tail(lowrank="auto")
+    original.set_linear_optimizer(True)
+    for step in range(12):
+        original.compress(_grads(step))
+    restored = _tail(lowrank="auto")  # not told: without the checkpoint it would quantize all
+    restored.load_state_dict(_through_disk(original.state_dict()))
+    lowrank_steps = 0
+    for step in range(12, 24):
+        sent = original.compress(_grads(step))
+        assert restored.compress(_grads(step)) == sent, f"payloads differ at step {step}"
+        lowrank_steps += any(isinstance(rec, LowRankRecord) for rec in decode_payload(sent))
+    assert lowrank_steps == 12
+
+
 def _format_1(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint as format 1 wrote it: no chooser state, no controller RNG."""
     old = {k: v for k, v in state.items() if k != "lowrank"} | {"format": 1}
