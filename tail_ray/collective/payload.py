@@ -191,7 +191,7 @@ class PayloadHookState(HookState):
         for compressor in self.compressors().values():
             compressor.set_lr(float(lr))
 
-    def set_linear_optimizer(self, linear: bool) -> None:
+    def apply_linear_optimizer(self, linear: bool) -> None:
         for compressor in self.compressors().values():
             compressor.set_linear_optimizer(bool(linear))
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tail_ray.collective.methods import Hook, method_spec
+from tail_ray.collective.optimizer_watch import watch_optimizer
 from tail_ray.collective.state import HookState, unwrap
 from tail_ray.collective.topology import NodeLayout
 from tail_ray.errors import ConfigError
@@ -78,13 +79,18 @@ def register_tail_hook(
     one, ``NodeLayout.from_env()`` reads torchrun's variables when they are set.
 
     World size 1 (no DDP wrapper): ``register_tail_hook(None, method, config, model=module)``
-    registers nothing and returns the state for ``compress_gradients_locally`` (the same as
-    ``make_hook_state(module, method, config)``).
+    registers no comm hook and returns the state for ``compress_gradients_locally`` (as
+    ``make_hook_state(module, method, config)`` does).
+
+    Either way the state learns the optimizer at its first step (optimizer_watch.py: SGD gets
+    Tail's looser budget and low-rank layers), unless ``state.set_optimizer`` says it first.
     """
     if layout is None:
         layout = NodeLayout.from_env()
     if ddp_model is None and model is not None:
-        return make_hook_state(model, method, config, process_group, layout=layout)
+        state = make_hook_state(model, method, config, process_group, layout=layout)
+        watch_optimizer(state, model)
+        return state
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
             f"register_tail_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}; "
@@ -92,6 +98,7 @@ def register_tail_hook(
         )
     state = make_hook_state(ddp_model, method, config, process_group, layout=layout)
     ddp_model.register_comm_hook(state, hook_for(state.method))
+    watch_optimizer(state, ddp_model)  # tells it the optimizer at its first step, unless you do
     return state
 
 

@@ -76,6 +76,9 @@ class HookState:
         self.process_group = process_group
         self.metrics = StepMetricsAccumulator()
         self.local_step = 0
+        # Whether the optimizer was named (set_optimizer / set_linear_optimizer): the watch
+        # (optimizer_watch.py) then steps back.
+        self.optimizer_named = False
         self.bind(model)
 
     @classmethod
@@ -152,7 +155,13 @@ class HookState:
         self.set_linear_optimizer(linear_in_gradient(optimizer))
 
     def set_linear_optimizer(self, linear: bool) -> None:
-        """``set_optimizer``'s answer, for a trainer that knows it without an optimizer object."""
+        """``set_optimizer``'s answer, for a trainer that knows it without an optimizer object.
+        Named so, it is no longer judged by the watch ``register_tail_hook`` starts."""
+        self.optimizer_named = True
+        self.apply_linear_optimizer(bool(linear))
+
+    def apply_linear_optimizer(self, linear: bool) -> None:
+        """Pass the answer on (families with a controller; the watch calls this one)."""
         return None  # a no-op by default
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -202,6 +211,7 @@ class HookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.optimizer_named = bool(state.get("optimizer_named", False))  # older pickles: not named
         self.process_group = None  # the default group; set another one after loading if needed
         self.metrics = StepMetricsAccumulator()
         self.param_names = {}  # call bind(model): ids of parameters do not cross processes

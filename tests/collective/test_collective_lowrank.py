@@ -1,5 +1,6 @@
-"""Tail with ``lowrank="auto"`` under SGD through the real comm hook: 2 gloo ranks train, some layer is
-sent as low-rank factors, and both ranks keep bit-identical weights."""
+"""Tail with ``lowrank="auto"`` under SGD (the hook's watch names it) through the real comm
+hook: 2 gloo ranks train, some layer is sent as low-rank factors, and both ranks keep
+bit-identical weights."""
 
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(ddp: nn.Module, state, rank: int) -> tuple[list[float], list[dict[str, str]]]:  # type: ignore[no-untyped-def]
+    # Not told by hand: register_tail_hook's watch names the SGD at its first step, and "auto"
+    # goes low-rank from then on (optimizer_watch.py).
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
-    if state is not None:  # "auto" goes low-rank once told the optimizer is linear (SGD)
-        state.set_optimizer(opt)
     losses, codes = [], []
     for step in range(STEPS):
         x, y = _batch(rank, step)
