@@ -33,15 +33,37 @@ from torch.utils.hooks import RemovableHandle
 from tail_ray.collective.state import HookState, linear_in_gradient, unwrap
 
 
+class OptimizerJudge:
+    """Which optimizers step a model's parameters, and whether all of those are linear in the
+    gradient (``all_linear``): the watch's rule, and tail_ray.train's session's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._param_ids = frozenset(id(p) for p in unwrap(model).parameters())
+        self._judged: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # they step the model
+        self._foreign: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.all_linear = True
+
+    def judge(self, optimizer: torch.optim.Optimizer) -> str:
+        """ "foreign" (steps none of the model's parameters), "new" (steps some, judged just now:
+        ``all_linear`` may have changed) or "known" (judged before)."""
+        if optimizer in self._judged:
+            return "known"
+        if optimizer in self._foreign:
+            return "foreign"
+        if not any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
+            self._foreign.add(optimizer)
+            return "foreign"
+        self._judged.add(optimizer)
+        self.all_linear = self.all_linear and linear_in_gradient(optimizer)
+        return "new"
+
+
 class OptimizerWatch:
     """The global pre-hook of one hook state (see the module doc)."""
 
     def __init__(self, state: HookState, model: nn.Module) -> None:
         self._state = weakref.ref(state)
-        self._param_ids = frozenset(id(p) for p in unwrap(model).parameters())
-        self._judged: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._foreign: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._all_linear = True
+        self._judge = OptimizerJudge(model)
         self.handle: RemovableHandle = register_optimizer_step_pre_hook(self._before_step)
 
     @property
@@ -52,16 +74,8 @@ class OptimizerWatch:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state = self._state()
-        if state is None or state.optimizer_named:
-            return
-        if optimizer in self._judged or optimizer in self._foreign:
-            return
-        if not any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
-            self._foreign.add(optimizer)
-            return
-        self._judged.add(optimizer)
-        self._all_linear = self._all_linear and linear_in_gradient(optimizer)
-        state.apply_linear_optimizer(self._all_linear)
+        if state is not None and not state.optimizer_named and self._judge.judge(optimizer) == "new":
+            state.apply_linear_optimizer(self._judge.all_linear)
 
 
 _WATCHES: list[OptimizerWatch] = []  # this process's watches whose hooks are still registered

@@ -45,7 +45,7 @@ from tail_ray.collective import (
     make_hook_state,
     method_spec,
 )
-from tail_ray.collective.state import linear_in_gradient, unwrap
+from tail_ray.collective.optimizer_watch import OptimizerJudge
 from tail_ray.errors import ConfigError
 from tail_ray.metrics.records import LayerMetric, StepMetric
 from tail_ray.train.writers import CLOSE_TIMEOUT_S, MetricsWriter
@@ -167,11 +167,8 @@ class TrainSession:
         self.step = 0  # the step the next record gets (optimizer steps done, over restarts)
         self.totals = Totals()
         self.closed = False
-        self._param_ids = frozenset(id(p) for p in unwrap(model).parameters())
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
-        self._foreign: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._judged: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # they step the model
-        self._all_linear = True  # every optimizer in _judged is linear in the gradient (policy.py)
+        self._judge = OptimizerJudge(model)  # which optimizers step the model; all linear?
         self._manual_lr = False
         self._lr: float | None = None
         self._loss: torch.Tensor | float | None = None
@@ -244,18 +241,14 @@ class TrainSession:
         bound = self._optimizer() if self._optimizer is not None else None
         if bound is optimizer:
             return True
-        if optimizer in self._foreign:
+        verdict = self._judge.judge(optimizer)
+        if verdict == "foreign":
             return False
-        if optimizer not in self._judged:
-            if not any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
-                self._foreign.add(optimizer)
-                return False
+        if verdict == "new":
             # The budget is the model's, so it is the looser one only while every optimizer
             # stepping the model's parameters is linear (an Adam on part of it keeps the cautious
             # one). The first step runs in Tail's warm-up: the budget is in place before it matters.
-            self._judged.add(optimizer)
-            self._all_linear = self._all_linear and linear_in_gradient(optimizer)
-            self.state.set_linear_optimizer(self._all_linear)
+            self.state.set_linear_optimizer(self._judge.all_linear)
         if bound is not None:
             return False
         self._optimizer = weakref.ref(optimizer)
