@@ -44,8 +44,8 @@ class OptimizerJudge:
         self.all_linear = True
 
     def judge(self, optimizer: torch.optim.Optimizer) -> str:
-        """ "foreign" (steps none of the model's parameters), "new" (steps some, judged just now:
-        ``all_linear`` may have changed) or "known" (judged before)."""
+        """Its verdict: "foreign" (steps none of the model's parameters), "new" (steps some,
+        judged just now: ``all_linear`` may have changed) or "known" (judged before)."""
         if optimizer in self._judged:
             return "known"
         if optimizer in self._foreign:
