@@ -21,11 +21,11 @@ warm-up phases), wall time per step and its compress / communicate / decode part
 the first steps, which include numba's JIT), and for tail the bits, tau and noise estimate it
 ended with. Speeds are reported, never asserted (the machine is shared and noisy).
 
-Traffic: bytes this worker sent (all-gather: W-1 chunks of size word + padded payload;
-sharded: its slices and its compressed sums to the other ranks; all-reduce: the ring model
-2*(W-1)/W of the reduced bytes), see docs/collective.md. The payload methods run the
-``--collective`` given (default: each method's own default, "auto": all-gather at W = 2,
-sharded from W = 3 on). Each worker's batch is the task's batch size at every W.
+Traffic: bytes this worker sent (all-gather: its size word and payload, at their exact size,
+to each of the W-1 others; sharded: its slices and its compressed sums to the other ranks;
+all-reduce: the ring model 2*(W-1)/W of the reduced bytes), see docs/collective.md. The
+payload methods run the ``--collective`` given (default: each method's own default, "auto":
+all-gather at W = 2, sharded from W = 3 on). Each worker's batch is the task's batch size at every W.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class RunResult:
     tail_decision_share_steady: float | None = None
     tail_decision_first_s: float | None = None  # decision time in those first steps (one-time)
     tail_decisions: int | None = None  # estimates made over the run (rank 0)
-    # Rank 0's own encoded payload per step, 2nd half, before padding: an all-gather pads every
-    # payload to the longest rank's, so sent - own is what the other ranks' larger payloads cost.
+    # Rank 0's own encoded layers per step, 2nd half: sent - own is each exchange's size word,
+    # payload header and checksum (the all-gather sends exact sizes: nothing is padded).
     own_bytes_per_step_2nd_half: float | None = None
     # Rank 0's low-rank trials: count, wall ms (median, mean, max), thread CPU ms (mean, max).
     tail_trials_ms: dict[str, float] | None = None
@@ -277,7 +277,7 @@ def _train_one(
     drop_step = int(task.lr_drop_at * steps)
     step_s: list[float] = []
     sent: list[int] = []
-    own: list[int] = []  # this rank's encoded payload per step (before padding)
+    own: list[int] = []  # this rank's encoded layers per step (no size words, headers, checksums)
     received = raw = 0
     compress_s: list[float] = []
     comm_s: list[float] = []
@@ -512,7 +512,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                         f"[{r['label']}] own payload per rank, 2nd half: "
                         + " / ".join(_fmt_bytes(b) for b in own)
                         + f" per step, {_fmt_bytes(r['bytes_sent_per_step_2nd_half'])} sent by rank 0"
-                        " (the rest: padding to the longest payload, and size words)"
+                        " (the rest: each exchange's size word, payload header and checksum)"
                     )
                 for k, ranks in enumerate(r.get("lowrank_by_rank") or []):
                     if k and ranks:

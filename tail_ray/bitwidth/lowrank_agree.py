@@ -1,10 +1,12 @@
 """One low-rank choice for every rank: each layer's kind and rank per step, from every rank's wants.
 
-Why: the all-gather pads every rank's payload to the longest (docs/collective.md). While each
-rank's ``LowRankChooser`` decided alone from its own M = g + e, a step where rank 0 sent
-digits' fc1 at rank 16 (~12 KB) and rank 1 sent it quantized (~24 KB) cost 24 KB, and a rank
-stepping down to rank 8 saved nothing while the other stayed at 16 (docs/engine.md, "Stacked
-options" and "Agreed low-rank choice").
+Why: while each rank's ``LowRankChooser`` decided alone from its own M = g + e, the ranks sent
+one layer in different forms: rank 0 digits' fc1 at rank 16 (~12 KB), rank 1 quantized (~24
+KB). The all-gather then padded every payload to the longest, so that step cost 24 KB a rank,
+and a rank stepping down to rank 8 saved nothing while the other stayed at 16 (docs/engine.md,
+"Stacked options" and "Agreed low-rank choice"). The all-gather sends exact sizes since stop
+46; what agreement still saves is the bytes of a rank that would have sent the layer
+quantized while others send factors (1.2 % over the 2-rank unit test's 40 steps).
 
 How: each rank's chooser still decides what it WANTS for a layer from its own M; the want
 travels in the layer's record (``QuantRecord.want`` / ``LowRankRecord.want``, one byte of the
@@ -45,7 +47,8 @@ def agreed_rank(wants: Sequence[int], rule: str = "half") -> int:
     own choice, but one rank wanting the quantizer keeps every rank there.
     "any": low-rank iff some rank wants it, at the largest wanted rank: a rank whose chooser
     wants the quantizer sends factors too (its error feedback stays exact: what the factors
-    miss is sent later), and the padded all-gather is a low-rank one whenever one rank's is.
+    miss is sent later), so every rank sends the smaller form whenever one rank's chooser
+    finds it good enough.
     "half": low-rank iff at least half the ranks want it, at the largest wanted rank. The same
     as "any" on 2 ranks (where it was measured); on more, one rank's want no longer pulls
     W - 1 ranks whose choosers judged the factors too lossy for their own M along with it.

@@ -1,23 +1,25 @@
 """Variable-size exchanges of byte payloads, on gloo (CPU) and nccl (GPU): all-gather and all-to-all.
 
-Compressed payloads differ in size from rank to rank, but gloo's ``all_gather`` needs every
-rank to contribute a tensor of the same size. So the exchange is two collectives, always
-issued in this order by the calling thread:
+Compressed payloads differ in size from rank to rank (a dithered layer's entropy-coded levels
+differ by a few hundred bytes every step). Each exchange is two steps, always issued in this
+order by the calling thread:
 
-1. all-gather of every rank's payload length (one int64 each);
-2. all-gather of the payloads, each padded with zeros to the longest length;
+1. the sizes: an all-gather (``all_gather_bytes``) or an all-to-all (``all_to_all_bytes``) of
+   one int64 per rank;
+2. the payloads, each at its exact size: nothing is padded.
 
-then each received payload is trimmed back to its real length.
+``all_gather_bytes`` sends its payload to every other rank point to point
+(``batch_isend_irecv``, one send buffer for all peers, no copy per peer). A ring all-gather
+would move the same bytes per rank ((W-1) chunks out, (W-1) in), but gloo's and NCCL's
+all-gather need equal sizes: every payload padded to the longest, which cost the LM's 2 ranks
+0.7 % of their bytes and grows with W (the longest of W dithered payloads).
 
-``all_to_all_bytes`` (the sharded collectives) sends a different payload to every rank:
+``all_to_all_bytes`` (the sharded collectives) sends a different payload to every rank in one
+``all_to_all_single`` with uneven split sizes (gloo implements uneven splits for CPU tensors;
+checked on torch 2.13: the list form ``all_to_all`` and uneven ``all_gather`` are refused by
+gloo, ``all_to_all_single`` with split sizes is not).
 
-1. all-to-all of the lengths (one int64 per destination);
-2. one ``all_to_all_single`` of the concatenated payloads with uneven split sizes, so nothing
-   is padded (gloo implements uneven splits for CPU tensors; checked on torch 2.13: the list
-   form ``all_to_all`` and uneven ``all_gather`` are refused by gloo, ``all_to_all_single``
-   with split sizes is not).
-
-Every collective runs synchronously: the caller gets the bytes back, and nothing is left in
+Every exchange runs synchronously: the caller gets the bytes back, and nothing is left in
 flight that could interleave with the next bucket's collectives (see payload.py on why order
 matters).
 """
@@ -38,11 +40,10 @@ SIZE_BYTES = 8  # one int64 length per rank in the size exchange
 class GatherTraffic:
     """What one variable-size all-gather moved, from this rank's point of view.
 
-    ``bytes_sent``: what this rank's link carried out: gloo's (and NCCL's) ring all-gather
-    passes every rank's chunk on around the ring, so each rank sends W-1 chunks (its own and
-    W-2 it forwards), each a length word plus a payload padded to the longest. With two
-    ranks that is its own chunk once. ``bytes_received``: as many (W-1 chunks arrive).
-    ``payload_bytes``: this rank's payload before padding.
+    ``bytes_sent``: its size word and its payload, to each of the W-1 other ranks.
+    ``bytes_received``: every other rank's size word and payload. ``payload_bytes``: this
+    rank's payload. Nothing is padded, so ``padded_bytes`` (the longest payload, what a
+    padded all-gather would have sent per chunk) is kept only to show what padding would cost.
     """
 
     bytes_sent: int
@@ -59,6 +60,11 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank P2P calls address (``peer``); torch < 2.6 has no ``group_peer``."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def all_gather_bytes(
     payload: bytes,
     group: dist.ProcessGroup | None = None,
@@ -70,30 +76,42 @@ def all_gather_bytes(
     collectives. ``device`` defaults to what the group's backend needs.
     """
     world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     dev = device if device is not None else collective_device(group)
+    if dev.type != "cpu" and dist.get_backend(group) == dist.Backend.GLOO:
+        # gloo's point-to-point sends read host memory only (and the payload is host bytes).
+        dev = torch.device("cpu")
 
     my_size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
     dist.all_gather(sizes, my_size, group=group)
     lengths = [int(s.item()) for s in sizes]
-    padded = max(lengths)
 
-    # One copy of the payload, straight into the padded send buffer (numpy reads the bytes in
-    # place; torch.frombuffer would need a writable copy first), and only the padding zeroed.
-    n = len(payload)
-    send_np = np.empty(padded, dtype=np.uint8)
-    send_np[:n] = np.frombuffer(payload, dtype=np.uint8)
-    send_np[n:] = 0
-    send = torch.from_numpy(send_np).to(dev)
-    recv = [torch.empty(padded, dtype=torch.uint8, device=dev) for _ in range(world_size)]
-    dist.all_gather(recv, send, group=group)
+    # One send buffer for every peer (numpy reads the bytes in place; torch.frombuffer would
+    # need a writable copy first); each peer's payload lands in a buffer of its exact size. A
+    # zero-length payload is neither sent nor received: both sides know its length.
+    send = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).to(dev)
+    recv = {j: torch.empty(n, dtype=torch.uint8, device=dev) for j, n in enumerate(lengths) if j != rank}
+    ops = []
+    for j in range(world_size):
+        if j == rank:
+            continue
+        peer = _global_rank(group, j)
+        if len(payload):
+            ops.append(dist.P2POp(dist.isend, send, peer, group))
+        if lengths[j]:
+            ops.append(dist.P2POp(dist.irecv, recv[j], peer, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
-    out = [_to_bytes(buf[:n]) for buf, n in zip(recv, lengths, strict=True)]
+    out = [payload if j == rank else _to_bytes(recv[j]) for j in range(world_size)]
+    others = [n for j, n in enumerate(lengths) if j != rank]
     traffic = GatherTraffic(
-        bytes_sent=(world_size - 1) * (SIZE_BYTES + padded),
-        bytes_received=(world_size - 1) * (SIZE_BYTES + padded),
+        bytes_sent=(world_size - 1) * (SIZE_BYTES + len(payload)),
+        bytes_received=sum(SIZE_BYTES + n for n in others),
         payload_bytes=len(payload),
-        padded_bytes=padded,
+        padded_bytes=max(lengths),
     )
     return out, traffic
 

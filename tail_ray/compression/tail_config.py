@@ -98,9 +98,9 @@ class TailConfig:
     lowrank_agree: how every rank's next low-rank choice follows from all ranks' wants (the
         same kind and rank per layer on every rank: bitwidth/lowrank_agree.py): "half" (low-rank
         iff at least half the ranks want it; "any" on 2 ranks), "any" (iff some rank wants it)
-        or "all" (iff every rank does); at the largest wanted rank. "all" cannot shorten the
-        padded all-gather and measured 14.4-25.6x on digits where "any" gave 21.9-27.3x
-        (docs/engine.md, "Agreed low-rank choice").
+        or "all" (iff every rank does); at the largest wanted rank. "all" measured 14.4-25.6x
+        on digits where "any" gave 21.9-27.3x, when the all-gather padded every payload to
+        the longest (docs/engine.md, "Agreed low-rank choice").
     rounding: "auto" (the default: "dither", on both backends, also in the sharded
         exchanges, slice by slice), "dither" (subtractive dither, an unbiased error of exactly
         step^2 / 12 per element that no error feedback carries; the payload carries a 4-byte

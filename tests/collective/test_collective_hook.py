@@ -50,7 +50,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _transport_worker(rank, world_size, out_dir):
-    # Rank 0 sends an empty payload, rank 1 a long one: sizes differ, gloo still needs equal sizes.
+    # Rank 0 sends an empty payload, rank 1 a long one: sizes differ (gloo's all-gather would pad).
     payload = bytes((rank * 31 + i) % 256 for i in range(rank * 5000))
     got, traffic = all_gather_bytes(payload)
     torch.save({"got": got, "traffic": traffic}, out_dir / f"rank{rank}.pt")
@@ -63,8 +63,10 @@ def test_payloads_of_different_sizes_are_gathered_exactly(scenarios):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert res["got"] == expected
         assert res["traffic"].payload_bytes == len(expected[rank])
-        assert res["traffic"].bytes_sent == SIZE_BYTES + 5000
-        assert res["traffic"].bytes_received == SIZE_BYTES + 5000
+        # Exact sizes, nothing padded: rank 0 sends its size word alone, rank 1 its 5000 bytes.
+        assert res["traffic"].bytes_sent == SIZE_BYTES + len(expected[rank])
+        assert res["traffic"].bytes_received == SIZE_BYTES + len(expected[1 - rank])
+        assert res["traffic"].padded_bytes == 5000
 
 
 # -- "none" equals plain DDP ---------------------------------------------------------------------
@@ -111,8 +113,8 @@ def test_none_gives_the_gradients_of_plain_ddp(scenarios, use_allgather):
             assert sorted(layer.layer for layer in met.layers) == sorted(names)
             assert met.raw_bytes == raw_bytes
             if use_allgather:
-                # Per bucket: a size word + the payload (its header, the layers' bytes, the CRC); equal
-                # sizes on both ranks here, so no padding.
+                # Per bucket: a size word + the payload (its header, the layers' bytes, the CRC);
+                # equal sizes on both ranks here.
                 assert met.bytes_sent == met.encoded_bytes + met.exchanges * (
                     SIZE_BYTES + PAYLOAD_HEADER_BYTES
                 )

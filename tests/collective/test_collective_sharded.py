@@ -26,6 +26,7 @@ from tail_ray.collective.gate import Mode
 from tail_ray.collective.launch import run_local_group
 from tail_ray.collective.payload import payload_hook
 from tail_ray.collective.topology import NodeLayout
+from tail_ray.collective.transport import SIZE_BYTES, all_gather_bytes
 from tail_ray.compression import make_compressor
 
 TIMEOUT_S = 120
@@ -139,6 +140,25 @@ def _conservation(rank: int, world_size: int, out_dir, collective: str) -> None:
     )
 
 
+def _gather_payload(rank: int, group_rank: int) -> bytes:
+    """Rank 1's is empty; the others differ in length and content."""
+    return bytes((rank * 37 + i) % 251 for i in range(0 if rank == 1 else 300 + 1000 * group_rank))
+
+
+def _gather(rank, world_size, out_dir):
+    """all_gather_bytes at exact sizes, on the whole world and on a subgroup (ranks 1-3): the
+    P2P peers must be global ranks, not group ranks."""
+    got, traffic = all_gather_bytes(_gather_payload(rank, rank))
+    sub_got = sub_traffic = None
+    if rank >= 1:  # only members create it, as topology.py creates its groups
+        sub = dist.new_group([1, 2, 3], use_local_synchronization=True)
+        sub_got, sub_traffic = all_gather_bytes(_gather_payload(rank, rank - 1), sub)
+    torch.save(
+        {"got": got, "traffic": traffic, "sub_got": sub_got, "sub_traffic": sub_traffic},
+        out_dir / f"rank{rank}.pt",
+    )
+
+
 # (scenario folder, worker, its args) per world size: 8 processes on 2 cores are slow to start,
 # so the 8-rank group runs only what needs W = 8 (slices on every rank, large fan-in).
 SCENARIOS = {
@@ -148,6 +168,8 @@ SCENARIOS = {
         ("conservation_sharded", _conservation, ("sharded",)),
         ("tail_hierarchical", _tail, ("hierarchical",)),
         ("conservation_hierarchical", _conservation, ("hierarchical",)),
+        # Last: its subgroup must not come before the groups the hierarchical scenarios make.
+        ("gather", _gather, ()),
     ],
     8: [
         ("tail_sharded", _tail, ("sharded",)),
@@ -256,3 +278,22 @@ def test_error_feedback_of_both_stages_conserves_the_sum(groups, world_size, col
         delivered = sent0[name].reshape(-1) + owed.get(name, torch.zeros(true.numel())).double()
         scale = float(true.abs().max())
         torch.testing.assert_close(delivered, true.reshape(-1), rtol=0, atol=2e-5 * scale)
+
+
+def test_payloads_of_any_sizes_are_gathered_at_exact_sizes_on_the_world_and_a_subgroup(groups):
+    out_dir = groups(4)
+    per_rank = _load(out_dir / "gather", 4)
+    world = [_gather_payload(r, r) for r in range(4)]
+    for rank, res in enumerate(per_rank):
+        assert res["got"] == world, rank
+        own, others = len(world[rank]), [len(p) for j, p in enumerate(world) if j != rank]
+        # Nothing padded: each rank sends its own payload (and size word) to the 3 others.
+        assert res["traffic"].bytes_sent == 3 * (SIZE_BYTES + own)
+        assert res["traffic"].bytes_received == sum(SIZE_BYTES + n for n in others)
+        assert res["traffic"].padded_bytes == max(len(p) for p in world)
+    sub = [_gather_payload(r, r - 1) for r in (1, 2, 3)]
+    assert per_rank[0]["sub_got"] is None
+    for rank in (1, 2, 3):
+        res = per_rank[rank]
+        assert res["sub_got"] == sub, rank
+        assert res["sub_traffic"].bytes_sent == 2 * (SIZE_BYTES + len(sub[rank - 1]))
