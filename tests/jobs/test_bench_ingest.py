@@ -9,9 +9,11 @@ from tests.jobs.job_run import REPO_ROOT, run_job
 
 
 def test_bench_ingest_stores_every_record_on_both_backends() -> None:
+    # 40 steps: PostgreSQL's CPU is read from /proc in 10 ms clock ticks, and 5 steps (660
+    # records a backend) took 10-20 ms of it on a fast machine, a tick or two from reading 0.
     _stdout, out = run_job("jobs.bench_ingest", "--jobs", "3", "--ranks", "4", "--layers", "10",
-                           "--steps", "5", "--page-records", "37", timeout_s=240)  # fmt: skip
-    per_job = 5 * 4 * (10 + 1)  # steps x ranks x (layers + the step record)
+                           "--steps", "40", "--page-records", "37", timeout_s=240)  # fmt: skip
+    per_job = 40 * 4 * (10 + 1)  # steps x ranks x (layers + the step record)
     # Each backend before the writer threads (0) and with its own default (SQLite 1, PostgreSQL 2).
     assert [(r["backend"], r["writers"]) for r in out["results"]] == [
         ("sqlite", 0), ("sqlite", 1), ("postgresql", 0), ("postgresql", 2),
