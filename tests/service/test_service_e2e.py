@@ -19,7 +19,12 @@ from service.storage import open_storage
 
 pytestmark = [pytest.mark.ray, pytest.mark.browser, pytest.mark.slow]
 
-STEPS = 200
+# Long enough that the job is still training while the page loads, shows a step advance and
+# the service restarts: 200 steps ran out in ~8 s on a faster machine (the page then waited
+# for a step that never came). ~30 ms a step there, ~3x that on slower ones: inside the
+# 300 s the test gives the job to finish. At most 2,222: a worker's sink buffers 20,000
+# records (9 a step) while the service is down, and a dropped one would fail "missed == 0".
+STEPS = 1500
 MODEL_LAYERS = {
     "conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
     "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
