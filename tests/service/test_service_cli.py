@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 TAIL_RAY = Path(sys.executable).parent / "tail-ray"  # the console script, by its full path
 BARE_PATH = "/usr/bin:/bin"  # no virtual environment on it
-JOB_STEPS = 30
+# Long enough to still be training when the drill looks at its workers and kills the service:
+# 30 steps were ~1 s of training on a faster machine, and passed only on Ray's teardown time.
+JOB_STEPS = 300
 READY_LINE = "Ctrl-C (or SIGTERM / SIGHUP) stops the service, then Ray"
 
 
