@@ -11,7 +11,8 @@ it past warm-up + recovery, 70 steps, for the steady state), then takes worker 0
 of the last step apart, every byte counted once:
 
   frame    the layer's framing: name, kind / code / bits bytes, numel, bucket size, counts
-  scales   float32 bucket scales (quantized layers: 4 bytes per bucket of ``bucket_size``)
+  scales   bucket scales (quantized layers: 2 bytes per bucket of ``bucket_size`` when the
+           payload's scales are all on the 16-bit grid, as Tail's are; else 4)
   tables   the entropy code's frequency tables carried in the body (rANS codes)
   levels   the coded levels (rANS streams, gap slots and extra bits; bit-packed levels)
   values   raw fp32 values (layers below ``raw_below_numel`` under ``small_layer_bits=32``,
@@ -48,7 +49,7 @@ from tail_ray.compression.codes import Code, LevelStats
 from tail_ray.compression.entropy import entropy_bound_bytes, sparse_entropy_bound_bytes
 from tail_ray.compression.records import QuantRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
-from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, decode_payload, wire_form
+from tail_ray.compression.wire import PAYLOAD_OVERHEAD_BYTES, SCALES_16, decode_payload, wire_form
 
 
 @dataclass
@@ -117,6 +118,7 @@ def _tables_bytes(code: str, stats: LevelStats) -> int:
 def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, list[LayerAnatomy]]:
     """Compress ``grads`` once with ``comp`` and take the payload apart (payload size, layers)."""
     payload = comp.compress(grads)
+    scale_width = 2 if payload[5] & SCALES_16 else 4  # the header's flags byte
     stats = {s.layer: s for s in comp.last_stats}
     rows = []
     for rec in decode_payload(payload):
@@ -126,7 +128,7 @@ def anatomy(comp: TailCompressor, grads: dict[str, torch.Tensor]) -> tuple[int, 
             # bounds stay those of the levels as the quantizer made them (what the fold beats).
             coded = wire_form(rec)[1]
             level_stats = LevelStats(coded.levels, coded.bits)
-            scales = 4 * int(rec.scales.size)
+            scales = scale_width * int(rec.scales.size)
             code, _nnz, body = DEFAULT_CODES.encode(coded)
             assert DEFAULT_CODES.name(code) == s.code  # the same choice as the payload's
             tables = _tables_bytes(s.code, level_stats)

@@ -13,7 +13,7 @@ When the controller has picked bits b at the base bucket (512) it calls ``choose
 which, on one sample of the layer's g + e (whole buckets of the largest candidate, so every
 candidate's buckets are whole in it), estimates for every candidate bucket B and bits:
   error  the closed form of ``quant_error`` (the controller's own estimate);
-  bytes  the order-0 entropy of the levels the kernel gives there (a fixed seed) plus 4 bytes
+  bytes  the order-0 entropy of the levels the kernel gives there (a fixed seed) plus 2 bytes
          of scale per bucket;
 and takes the cheapest (B, b) whose error is at most the base's (B = 512 at b) on the same
 sample, only when it saves at least ``MIN_GAIN`` of the base's estimated bytes (otherwise the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tail_ray.bitwidth.quant_error import bucket_errors
-from tail_ray.compression.grid import levels_max, n_buckets
+from tail_ray.compression.grid import SCALE_BYTES, levels_max, n_buckets
 from tail_ray.compression.quantize import quantize
 
 __all__ = ["AUTO_BUCKETS", "BUCKET_CHOICES", "MIN_GAIN", "BucketPick", "choose_bucket", "level_bytes"]
@@ -119,7 +119,7 @@ def choose_bucket(
             continue
         scales = np.empty(n_buckets(xs.size, b), dtype=np.float32)
         quantize(xs, bits_list[j], b, _SEED, levels, scales, rounding=rounding)
-        cost = level_bytes(levels, bits_list[j]) + 4.0 * scales.size
+        cost = level_bytes(levels, bits_list[j]) + float(SCALE_BYTES * scales.size)
         if b == base_bucket:
             base_cost = cost
         if best is None or cost < best[0]:

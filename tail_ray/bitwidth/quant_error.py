@@ -29,6 +29,7 @@ from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
+from tail_ray.compression.kernel_parts import scale_bits_up
 from tail_ray.compression.quantize import is_dither, is_nearest
 
 # The kernels' ``mode``: which rounding's error is summed (an int, so one compiled kernel each).
@@ -107,7 +108,7 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, mode):
         for i in range(u.size):
             mi = max(mi, u[i] & np.int32(0x7FFFFFFF))
         add_squares(xb, sq_lanes)
-        box[0] = mi
+        box[0] = scale_bits_up(mi)  # the scale the quantizer will send
         m = fbox[0]
         if m == 0:
             continue

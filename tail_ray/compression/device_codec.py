@@ -40,6 +40,7 @@ from tail_ray.compression.grid import (
     levels_max,
     n_buckets,
     rank_steps,
+    scales_up_reference,
 )
 from tail_ray.compression.kernel_parts import UNIFORM_TABLE
 from tail_ray.compression.rounding import is_dither, is_nearest
@@ -325,7 +326,7 @@ def quantize_reference(
     for k in range(scales.size):
         lo, hi = k * bucket_size, min(n, (k + 1) * bucket_size)
         xb = x[lo:hi]
-        m = np.float32(np.abs(xb).max())
+        m = scales_up_reference(np.abs(xb).max(keepdims=True))[0]
         scales[k] = m
         if m == 0:
             continue

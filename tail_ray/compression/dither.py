@@ -26,7 +26,7 @@ from tail_ray.compression.kernel_parts import (
     GOLDEN,
     MEAN_TILE,
     UNIFORM_TABLE,
-    absmax,
+    bucket_scale_bits,
     chunk_draw,
     splitmix,
     uniform,
@@ -91,7 +91,7 @@ def _dither_bucket(xb, lb, tab, seed, k, m, lmax):  # type: ignore[no-untyped-de
 def _dither_into(xb, lb, scales, tab, seed, k, lmax):  # type: ignore[no-untyped-def]
     """Bucket k of x: its scale into scales[k], its levels into lb. Returns nnz."""
     box = np.empty(1, np.int32)
-    box[0] = absmax(xb)
+    box[0] = bucket_scale_bits(xb)
     m = box.view(np.float32)[0]
     scales[k] = m
     if m == 0:

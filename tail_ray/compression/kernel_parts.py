@@ -1,5 +1,6 @@
-"""numba building blocks the quantizers share (quantize.py, dither.py): the integer max-abs,
-the fixed table of uniforms and the hash that draws a window of it, and the rank mean's tile.
+"""numba building blocks the quantizers share (quantize.py, dither.py): the integer max-abs and
+the scale it rounds up to, the fixed table of uniforms and the hash that draws a window of it,
+and the rank mean's tile.
 
 Stochastic rounding and subtractive dither both read their uniforms from one fixed table of
 65,536 distinct 16-bit values at a random offset per chunk of 1,024 elements, rotated by a
@@ -16,6 +17,8 @@ import importlib.resources
 import numpy as np
 from numba import njit
 
+from tail_ray.compression.grid import MAX_SCALE_BITS, SCALE_LOW_MASK
+
 __all__ = [
     "CHUNK",
     "GOLDEN",
@@ -23,7 +26,9 @@ __all__ = [
     "TABLE_SIZE",
     "UNIFORM_TABLE",
     "absmax",
+    "bucket_scale_bits",
     "chunk_draw",
+    "scale_bits_up",
     "splitmix",
     "uniform",
 ]
@@ -67,6 +72,21 @@ def absmax(x):  # type: ignore[no-untyped-def]
     for i in range(u.size):
         m = max(m, u[i] & np.int32(0x7FFFFFFF))
     return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def scale_bits_up(m):  # type: ignore[no-untyped-def]
+    """The bits of a finite max-abs (``absmax``'s int32) rounded up onto the 16-bit scale grid
+    (grid.py), clamped to its largest finite value: a whole-integer round-up, the same on every
+    CPU and in the Triton kernels."""
+    b = min(np.int64(m), np.int64(MAX_SCALE_BITS))
+    return np.int32((b + SCALE_LOW_MASK) & ~np.int64(SCALE_LOW_MASK))
+
+
+@njit(cache=True, nogil=True)
+def bucket_scale_bits(x):  # type: ignore[no-untyped-def]
+    """The int32 bits of a bucket's scale: its max-abs, rounded up onto the scale grid."""
+    return scale_bits_up(absmax(x))
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -30,6 +30,7 @@ from numba import njit
 
 from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import ErrorFeedback
+from tail_ray.compression.grid import SCALE_BYTES
 from tail_ray.compression.lowrank_kernels import power_step_arrays
 from tail_ray.compression.quantize import dequantize, n_buckets, quantize_finite, sum_squares
 from tail_ray.compression.records import LowRankRecord
@@ -64,7 +65,7 @@ def factor_bytes(rows: int, cols: int, rank: int, bits: int, bucket_size: int) -
     only go below), their scales and up to 32 bytes of layer framing (name not counted)."""
     levels = rank * (rows + cols)
     scales = n_buckets(rank * rows, bucket_size) + n_buckets(rank * cols, bucket_size)
-    return (levels * bits + 7) // 8 + 4 * scales + 32
+    return (levels * bits + 7) // 8 + SCALE_BYTES * scales + 32
 
 
 @njit(cache=True, nogil=True)

@@ -60,7 +60,7 @@ from tail_ray.compression.kernel_parts import (
     CHUNK,
     GOLDEN,
     UNIFORM_TABLE,
-    absmax,
+    bucket_scale_bits,
     chunk_draw,
     uniform,
 )
@@ -196,7 +196,7 @@ def _quantize_ef_core(g, e, bucket_size, lmax, inv_l, seed, levels, scales, tab,
         eb = e[lo:hi]
         for i in range(gb.size):
             eb[i] = min(max(gb[i] + eb[i], -F32_MAX), F32_MAX)
-        box[0] = absmax(eb)
+        box[0] = bucket_scale_bits(eb)
         m = fbox[0]
         scales[k] = m
         lb = levels[lo:hi]
@@ -223,7 +223,7 @@ def _quantize_core(x, bucket_size, lmax, inv_l, seed, levels, scales, tab, neare
         lo = k * bucket_size
         hi = min(n, lo + bucket_size)
         xb = x[lo:hi]
-        box[0] = absmax(xb)
+        box[0] = bucket_scale_bits(xb)
         m = fbox[0]
         scales[k] = m
         lb = levels[lo:hi]

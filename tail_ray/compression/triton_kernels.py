@@ -61,6 +61,9 @@ LANES = tl.constexpr(64)  # fixedsum.LANES: the lane layout of every CPU float s
 CHUNK = tl.constexpr(1024)
 GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 BUCKET_MIX = tl.constexpr(0xD1B54A32D192ED03)
+SCALE_LOW_MASK = tl.constexpr(0x7FFF)  # grid.SCALE_LOW_MASK: scales keep float32 bits 30..15
+SCALE_KEEP_MASK = tl.constexpr(0x7FFF8000)  # bits 30..15
+MAX_SCALE_BITS = tl.constexpr(0x7F7F8000)  # grid.MAX_SCALE_BITS
 TWELFTH = tl.constexpr(0.0833333358168602)  # float32(1 / 12): quant_error._TWELFTH
 
 
@@ -122,6 +125,14 @@ def _pack_store(sym, first_byte, byte_limit, out_ptr, GROUPS: tl.constexpr, BITS
 # Integer arguments that may be 1 (L at 2 bits, one rank, a bucket of 1) are not specialised:
 # Triton would turn them into constants, with other types than the kernels expect.
 @triton.jit
+def _scale_up(m):
+    """A finite max-abs rounded up onto the 16-bit scale grid (kernel_parts.scale_bits_up): in
+    the integer domain, so the same bits as the CPU kernels."""
+    b = tl.minimum(m.to(tl.int32, bitcast=True), MAX_SCALE_BITS)  # no int32 overflow below
+    return ((b + SCALE_LOW_MASK) & SCALE_KEEP_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_fed(g_ptr, e_ptr, offs, mask, USE_E: tl.constexpr):
     """The gradient plus its error-feedback residual (when USE_E), saturated: a huge finite
     g + e stays finite, as grid.py's CPU path does. The one place every kernel reads it."""
@@ -160,7 +171,7 @@ def _quantize_kernel(
     mask = (local < bucket_size) & (offs < n)
     x = _load_fed(g_ptr, e_ptr, offs, mask, USE_E)
     ax = tl.abs(x)
-    m = tl.max(ax, axis=0)
+    m = _scale_up(tl.max(ax, axis=0))
     tl.store(scales_ptr + k, m)
     nonzero = m > 0.0
     safe_m = tl.where(nonzero, m, 1.0)
@@ -360,7 +371,7 @@ def _bucket_errors_kernel(
             x64 = x.to(tl.float64)
             sq_lanes = sq_lanes + tl.where(msk, x64 * x64, 0.0)
             mx = tl.maximum(mx, tl.abs(x))
-        m = tl.max(mx, axis=0)
+        m = _scale_up(tl.max(mx, axis=0))  # the scale the quantizer will send
         if m > 0.0:
             nonzero += 1
             pre = tl.where(m < TINY_SCALE, TINY_PRESCALE, 1.0).to(tl.float32)

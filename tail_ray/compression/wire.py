@@ -6,10 +6,10 @@ What a layer's body holds is its code's business: the code table (code_table.py)
 cheapest code per layer and decodes a body by looking its code id up. docs/wire-format.md
 has the full layout; in short (all little-endian, varint = unsigned LEB128):
 
-    header   magic b"TAIL" | version u8 (=3) | flags u8 | reserved u16 | n_layers u32
+    header   magic b"TAIL" | version u8 (=4) | flags u8 | reserved u16 | n_layers u32
     layer    name_len u16 | name utf-8 | kind u8 | code u8 | bits u8 | want u8 | varint numel
              | varint bucket_size | varint n_scales | varint nnz | varint body_len
-             | scales f32[n_scales] | [dither_seed u32: kinds QUANT_DITHER(_FOLDED) only]
+             | scales (f32 | u16)[n_scales] | [dither_seed u32: kinds QUANT_DITHER(_FOLDED) only]
              | body u8[body_len]
     trailer  crc32 u32 of everything before it
 
@@ -30,6 +30,13 @@ uniform is >= 1/2 (dither_fold.py; ``wire_form``), and ``decode_payload`` unfold
 
 RAW_F32 / RAW_F16 values pass through bit-exactly (NaN payloads and +-Inf included): the
 container never inspects float values. QUANT scales are float32 and pass through the same way.
+
+Flags (version 4): bit 0, SCALES_16, says every scale of the payload is on the 16-bit scale
+grid (grid.py: Tail's quantizers round each max-abs up onto it) and goes as u16, bits 30..15 of
+its float32; the receiver shifts them back, the same float32 bit for bit. The encoder sets it
+whenever every scale qualifies, so Tail's payloads save 2 bytes a bucket and a record with any
+other scales (a hand-made one, a foreign quantizer's) still goes exactly, as float32. Version 3
+(no flags) still decodes; a flag this build does not know is an error, not a guess.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import numpy as np
 from tail_ray.compression.code_table import DEFAULT_CODES, CodeTable
 from tail_ray.compression.codes import LayerHeader
 from tail_ray.compression.dither_fold import fold_levels
+from tail_ray.compression.grid import SCALE_SHIFT, on_scale_grid
 from tail_ray.compression.records import Kind, LayerRecord, LowRankRecord, QuantRecord
 from tail_ray.compression.varint import read_varint, varint
 from tail_ray.errors import CodecError
@@ -59,7 +67,10 @@ __all__ = [
 ]
 
 MAGIC = b"TAIL"
-VERSION = 3
+VERSION = 4
+READABLE_VERSIONS = (3, 4)  # 3: before flags; its flags byte is 0
+SCALES_16 = 0x01  # header flag: every scale goes as u16 (bits 30..15 of its float32)
+KNOWN_FLAGS = SCALES_16
 _HEADER = struct.Struct("<4sBBHI")
 _CHECKSUM = struct.Struct("<I")
 # Bytes of a payload that belong to no layer: the header and the checksum trailer.
@@ -126,14 +137,22 @@ def _scales_of(rec: LayerRecord) -> np.ndarray:
     return sc
 
 
-def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, bytes, EncodedLayer]:
-    """(layer header, scales, body) of one record and what they cost."""
+def _scale_bytes(scales: np.ndarray, half: bool) -> bytes:
+    """The scales as the wire carries them: float32, or (``half``) the u16 of bits 30..15."""
+    if not half:
+        return scales.tobytes()
+    return (scales.view("<u4") >> np.uint32(SCALE_SHIFT)).astype("<u2").tobytes()
+
+
+def _layer_chunks(
+    rec: LayerRecord, scales: np.ndarray, half: bool, codes: CodeTable
+) -> tuple[bytes, bytes, bytes, EncodedLayer]:
+    """(layer header, scales, body) of one record (its checked ``scales``) and what they cost."""
     name = rec.name.encode("utf-8")
     if len(name) > MAX_NAME_BYTES:
         raise CodecError(f"name is {len(name)} bytes, max {MAX_NAME_BYTES}", layer=rec.name, field="name")
     if not 0 <= rec.numel <= MAX_NUMEL:
         raise CodecError(f"numel {rec.numel} outside [0, {MAX_NUMEL}]", layer=rec.name, field="numel")
-    scales = _scales_of(rec)  # the framing is checked before any time goes into the body
     kind, coded = wire_form(rec)
     try:
         code, nnz, body = codes.encode(coded)
@@ -158,7 +177,7 @@ def _layer_chunks(rec: LayerRecord, codes: CodeTable) -> tuple[bytes, bytes, byt
             varint(len(body)),
         )
     )
-    sc = scales.tobytes()
+    sc = _scale_bytes(scales, half)
     if isinstance(rec, QuantRecord) and rec.dither_seed is not None:
         sc += _DITHER_SEED.pack(rec.dither_seed)
     return head, sc, body, EncodedLayer(rec.name, len(head) + len(sc) + len(body), codes.name(code), nnz)
@@ -190,11 +209,15 @@ def encode_payload(
         raise CodecError(f"{len(records)} layers exceed the bound {MAX_LAYERS}", field="n_layers")
     # Every piece goes into one list, joined once at the end, with the CRC run over the pieces
     # as they come: a payload of megabytes is copied once, not once per framing level.
-    parts = [_HEADER.pack(MAGIC, VERSION, 0, 0, len(records))]
+    # Every record's framing is checked before any time goes into a body.
+    scales = [_scales_of(rec) for rec in records]
+    # (A payload with no scales leaves the flag off: its bytes are then what version 3 wrote.)
+    half = any(sc.size for sc in scales) and all(on_scale_grid(sc) for sc in scales)
+    parts = [_HEADER.pack(MAGIC, VERSION, SCALES_16 if half else 0, 0, len(records))]
     crc = zlib.crc32(parts[0])
     costs: list[EncodedLayer] = []
-    for rec in records:
-        *chunks, cost = _layer_chunks(rec, codes)
+    for rec, sc in zip(records, scales, strict=True):
+        *chunks, cost = _layer_chunks(rec, sc, half, codes)
         for piece in chunks:
             parts.append(piece)
             crc = zlib.crc32(piece, crc)
@@ -211,20 +234,24 @@ def seal(frame: bytes) -> bytes:
 # --------------------------------------------------------------------------- decode
 
 
-def _open(payload: bytes) -> tuple[np.ndarray, int]:
-    """The checked frame (header, version, checksum) as a uint8 view without its trailer, and
-    its layer count."""
+def _open(payload: bytes) -> tuple[np.ndarray, int, int]:
+    """The checked frame (header, version, flags, checksum) as a uint8 view without its trailer,
+    its layer count and its scales' width in bytes."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise CodecError(f"payload must be bytes, got {type(payload).__name__}", field="payload")
     buf = np.frombuffer(payload, dtype=np.uint8)
     size = int(buf.size)
     if size < _HEADER.size:
         raise CodecError(f"payload is {size} bytes, the header alone is {_HEADER.size}", field="header")
-    magic, version, _flags, _res, n_layers = _HEADER.unpack(buf[: _HEADER.size].tobytes())
+    magic, version, flags, _res, n_layers = _HEADER.unpack(buf[: _HEADER.size].tobytes())
     if magic != MAGIC:
         raise CodecError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", field="magic")
-    if version != VERSION:
-        raise CodecError(f"unsupported wire version {version}, this build reads {VERSION}", field="version")
+    if version not in READABLE_VERSIONS:
+        raise CodecError(
+            f"unsupported wire version {version}, this build reads {READABLE_VERSIONS}", field="version"
+        )
+    if flags & ~(KNOWN_FLAGS if version >= 4 else 0):
+        raise CodecError(f"unknown flags {flags:#04x} in a version {version} payload", field="flags")
     if size < _HEADER.size + _CHECKSUM.size:
         raise CodecError(f"payload is {size} bytes, too short for its checksum", field="checksum")
     size -= _CHECKSUM.size
@@ -233,7 +260,7 @@ def _open(payload: bytes) -> tuple[np.ndarray, int]:
         raise CodecError("checksum mismatch: the payload was corrupted in transit", field="checksum")
     if n_layers > MAX_LAYERS:
         raise CodecError(f"n_layers {n_layers} exceeds bound {MAX_LAYERS}", field="n_layers")
-    return buf[:size], int(n_layers)
+    return buf[:size], int(n_layers), 2 if flags & SCALES_16 else 4
 
 
 def _read_name(buf: np.ndarray, pos: int, where: str) -> tuple[str, int]:
@@ -273,11 +300,23 @@ def _check_kind_fields(kind: Kind, bits: int, bucket: int, numel: int, n_scales:
         raise CodecError(f"n_scales {n_scales} != ceil(numel/bucket)", layer=name, field="n_scales")
 
 
+def _read_scales(buf: np.ndarray, pos: int, n_scales: int, width: int, name: str) -> tuple[np.ndarray, int]:
+    """``n_scales`` float32 scales at ``pos``, ``width`` bytes each (4: float32; 2: SCALES_16)."""
+    if n_scales > (buf.size - pos) // width:
+        raise CodecError(f"n_scales {n_scales} exceeds the bytes present", layer=name, field="n_scales")
+    raw = buf[pos : pos + width * n_scales]
+    if width == 4:
+        return raw.view("<f4").astype(np.float32), pos + width * n_scales
+    wide = raw.view("<u2").astype(np.uint32) << np.uint32(SCALE_SHIFT)
+    return wide.view(np.float32), pos + width * n_scales
+
+
 def _read_layer(
-    buf: np.ndarray, pos: int, where: str, max_numel: int, numel_before: int
+    buf: np.ndarray, pos: int, where: str, max_numel: int, numel_before: int, scale_width: int
 ) -> tuple[LayerHeader, int, np.ndarray, int, int]:
     """One layer's header, code id and body (a view), the end position, and its ``want`` byte.
-    ``max_numel`` bounds the layer, and the payload with ``numel_before`` (the layers before it)."""
+    ``max_numel`` bounds the layer, and the payload with ``numel_before`` (the layers before it);
+    ``scale_width``: a scale's bytes (the header's flags)."""
     size = int(buf.size)
     name, pos = _read_name(buf, pos, where)
     if pos + _LAYER_FIXED.size > size:
@@ -297,10 +336,7 @@ def _read_layer(
         kind = Kind(kind_v)
     except ValueError:
         raise CodecError(f"unknown kind {kind_v}", layer=name, field="kind") from None
-    if n_scales > (size - pos) // 4:
-        raise CodecError(f"n_scales {n_scales} exceeds the bytes present", layer=name, field="n_scales")
-    scales = buf[pos : pos + 4 * n_scales]
-    pos += 4 * n_scales
+    scales, pos = _read_scales(buf, pos, n_scales, scale_width, name)
     dither_seed = None
     if kind in (Kind.QUANT_DITHER, Kind.QUANT_DITHER_FOLDED):
         if pos + _DITHER_SEED.size > size:
@@ -314,9 +350,7 @@ def _read_layer(
     _check_kind_fields(kind, bits, bucket, numel, n_scales, name=name)
     if want and kind not in (*QUANT_KINDS, Kind.LOWRANK):
         raise CodecError(f"{kind.name} layer carries want {want}", layer=name, field="want")
-    head = LayerHeader(
-        name, kind, bits, numel, bucket, nnz, scales.view("<f4").astype(np.float32), dither_seed=dither_seed
-    )
+    head = LayerHeader(name, kind, bits, numel, bucket, nnz, scales, dither_seed=dither_seed)
     return head, code, buf[pos : pos + body_len], pos + body_len, want
 
 
@@ -329,12 +363,12 @@ def decode_payload(
     size passes it, so a corrupted numel can never make it allocate more. ``codes``: the code
     table whose decoders read the bodies (another backend's, see code_table.py).
     """
-    buf, n_layers = _open(payload)
+    buf, n_layers, scale_width = _open(payload)
     pos = _HEADER.size
     total_numel = 0
     out: list[LayerRecord] = []
     for i in range(n_layers):
-        head, code, body, pos, want = _read_layer(buf, pos, f"#{i}", max_numel, total_numel)
+        head, code, body, pos, want = _read_layer(buf, pos, f"#{i}", max_numel, total_numel, scale_width)
         total_numel += head.numel
         rec = codes.decoder(code, head.kind, layer=head.name).decode(body, head)
         if head.kind == Kind.QUANT_DITHER_FOLDED and isinstance(rec, QuantRecord):

@@ -14,6 +14,14 @@ kernel (an AMD CI machine gave another digest than the Intel one it was made on)
 now a float64 sum of squares, the same on every CPU; ef5f1b4 and this tree give the value
 below under OpenBLAS' Nehalem, Sandybridge and native kernels alike, and test_grid.py checks
 the decisions under another OpenBLAS kernel.
+
+Both digests moved once more, on purpose, with the 16-bit scales (stop 47, docs/engine.md
+"16-bit scales"): every quantizer rounds a bucket's max-abs up onto the scale grid, so the
+estimates see a step up to 2^-8 wider, and the payloads send 2 bytes a scale. With the code
+of 4697299 and with this one the trace's 240 decisions (bits and decided step, both
+schedules) and the 20 payloads' per-layer bits are the same, every one; only the estimates'
+floats and the payload bytes (-1.05 %) moved. The old values were 5ab6dff7... and ea96472c....
+Accuracy was measured again (10 seeds, both tasks, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -31,14 +39,14 @@ from tail_ray.bitwidth.plan import BitController
 from tail_ray.bitwidth.policy import BudgetPolicy, BudgetSettings
 from tail_ray.compression.tail import TailCompressor, TailConfig
 
-EXPECTED_DIGEST = "5ab6dff79954a75718e4184d02c3f37fcbd7e5a745884fa9e7305038ce51e176"
+EXPECTED_DIGEST = "f042c07e8450e7d30c9ce970fe004e981f5fea48bdce15514bfa1625a3c8d148"
 # The same trace under today's re-allocation schedule (plan.REALLOCATE_EVERY_STEPS = 4, stop
 # 39): the one change since ef5f1b4 that moves decisions on purpose. Re-allocating at most
 # every 4 steps (at once when an estimate finds its layer over its share) cut issue 15's
 # decision cost; its accuracy was measured on 5 LM and 5 digits seeds (docs/engine.md,
 # "Re-allocating every few steps"). With the schedule set back to every step the trace
 # still gives main's digest above, so nothing else moved.
-SCHEDULED_DIGEST = "ea96472c9385bdd986c7bec6f5f78858f0dbb068871ab6d7b4fc1e6a51282d96"
+SCHEDULED_DIGEST = "d3929af4dd36da0b7f71f4e60477d02e5332892eb5f8ea5b0c906a5ebc65ed55"
 
 BITS = (2, 3, 4, 5, 6, 8)
 

@@ -46,7 +46,8 @@ def test_the_pick_is_the_same_for_the_same_input_and_sample():
     assert len(picks) == 1
 
 
-@pytest.mark.parametrize(("spread", "seed"), [(0.4, 1), (0.7, 2)])
+# (With 2-byte scales a larger bucket saves less than with 4: these spreads were 0.4 and 0.7.)
+@pytest.mark.parametrize(("spread", "seed"), [(0.6, 0), (0.9, 0), (1.0, 0)])
 def test_a_saving_within_a_sample_s_noise_keeps_the_base(spread, seed):
     # Units that differ a little: a larger bucket at a bit more saves < 1 % (estimated), too
     # little to trust; the base is kept. Without the margin it would be taken.

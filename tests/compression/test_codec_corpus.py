@@ -4,6 +4,11 @@ EXPECTED_DIGEST was generated from main's codec (commit 2e49cdf, before the code
 into layers for issue 11) by this very test; any change to a code's choice, a table, a stream
 or the framing changes it. If the wire format changes on purpose, the version byte changes
 with it and so does this digest.
+
+Version 4 (16-bit scales, a header flag) changed it from 05d965231f37... to the one below: the
+corpus's random scales are off the 16-bit grid, so its payloads keep float32 scales, and with
+``wire.VERSION`` patched back to 3 the new encoder gives the old digest exactly (checked when
+the version changed): the version byte is the only byte that moved.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from tests.compression.codec_corpus import (
     payload_groups,
 )
 
-EXPECTED_DIGEST = "05d965231f37950d890d5da44c95b479ce817542b75ff7aceaba611814d7e899"
+EXPECTED_DIGEST = "d83cdd090bb0799167e17409272ccf981bee9e6d77e12952657098295b03b6a3"
 
 
 def _record(spec: Spec) -> LayerRecord:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,11 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tail_ray.compression.code_table import candidate_codes, decode_levels, encode_levels
+from tail_ray.compression.grid import scales_up_reference
 from tail_ray.compression.lowrank import compress_lowrank, max_rank, reconstruct
 from tail_ray.compression.records import LowRankRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.varint import varint
 from tail_ray.compression.wire import (
     MAGIC,
+    SCALES_16,
     VERSION,
     decode_payload,
     encode_payload,
@@ -66,6 +69,10 @@ def _valid_payloads() -> list[bytes]:
             ),
         ]
         out.append(encode_payload(records)[0])
+        # The same layers with every scale on the 16-bit grid: scales go as u16 (SCALES_16).
+        records[2] = replace(records[2], scales=scales_up_reference(records[2].scales))
+        out.append(encode_payload(records)[0])
+        assert out[-1][5] == SCALES_16 and out[-2][5] == 0
     return out
 
 

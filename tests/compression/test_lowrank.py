@@ -13,7 +13,7 @@ from tail_ray.compression.lowrank import compress_lowrank, factor_bytes, matrix_
 from tail_ray.compression.records import Kind, LowRankRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.varint import varint
-from tail_ray.compression.wire import decode_payload, encode_payload, seal
+from tail_ray.compression.wire import SCALES_16, decode_payload, encode_payload, seal
 from tail_ray.errors import CodecError, ConfigError
 
 
@@ -84,7 +84,8 @@ def _layer_body_offset(payload: bytes) -> tuple[int, int]:
     for field in ("numel", "bucket", "n_scales", "nnz", "body_len"):
         v, pos = read_varint(buf, pos, buf.size, layer=None, field=field)
         values.append(v)
-    return pos + 4 * values[2], values[4]
+    scale_width = 2 if payload[5] & SCALES_16 else 4  # the header's flags
+    return pos + scale_width * values[2], values[4]
 
 
 def _with_body(payload: bytes, body: bytes) -> bytes:

@@ -35,7 +35,8 @@ def test_small_layers_at_8_bits_with_exact_error_feedback() -> None:
         decoded = dequantize_reference(rec.levels, rec.scales, rec.bits, rec.bucket_size)
         # Within one grid step of the gradient (nearest: half a step), and the residual is
         # exactly what the receiver lost.
-        assert np.abs(decoded - g).max() <= 0.5 * np.abs(g).max() / levels_max(8) * (1 + 1e-6)
+        assert np.abs(decoded - g).max() <= 0.5 * rec.scales.max() / levels_max(8) * (1 + 1e-6)
+        assert rec.scales.max() <= np.abs(g).max() * (1 + 2.0**-8)  # max-abs, up onto the scale grid
         assert comp.feedback is not None
         np.testing.assert_array_equal(comp.feedback.buffer(name, g.size), g - decoded)
     # The next step quantizes g + e: what step 0 dropped is sent now.

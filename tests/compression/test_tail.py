@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig, make_compressor
+from tail_ray.compression.grid import on_scale_grid
 from tail_ray.compression.quantize import levels_max
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail_config import DITHER_START_STEPS
+from tail_ray.compression.wire import SCALES_16, decode_payload
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -43,6 +45,11 @@ def test_roundtrip_any_fresh_instance_decodes_and_stats_are_complete():
     real /= float(grads["fc1.weight"].pow(2).sum())
     assert 0.5 * w.rel_error < real < 2.0 * w.rel_error
     assert sum(s.encoded_bytes for s in comp.last_stats) <= len(payload)
+    # Tail's scales are on the 16-bit grid, so they go as u16 (the header's SCALES_16 flag).
+    assert payload[5] == SCALES_16
+    for rec in decode_payload(payload):
+        if isinstance(rec, QuantRecord):
+            assert on_scale_grid(rec.scales) and rec.scales.size > 0
 
 
 def test_pinned_to_eight_bits():

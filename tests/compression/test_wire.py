@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from tail_ray.compression.grid import MAX_SCALE_BITS, on_scale_grid, scales_up_reference
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.wire import (
     PAYLOAD_OVERHEAD_BYTES,
+    SCALES_16,
     VERSION,
     EncodedLayer,
     decode_payload,
@@ -182,6 +184,61 @@ def test_wrong_version_and_trailing_bytes_are_codec_errors() -> None:
     with pytest.raises(CodecError) as err:
         decode_payload(seal(payload[:-4] + b"\0"))  # a sealed frame with a stray byte
     assert err.value.field == "trailer"
+
+
+def _on_grid_records() -> list[LayerRecord]:
+    """Quantized layers whose scales are on the 16-bit grid (as Tail's quantizers make them),
+    edges included: 0, the largest grid value, a subnormal; and a raw layer beside them."""
+    lv = peaked(4000, 4)
+    scales = scales_up_reference(RNG.random(-(-lv.size // 128)).astype(np.float32) * 1e-3)
+    scales[:3] = (
+        0.0,
+        np.array([MAX_SCALE_BITS], np.int32).view(np.float32)[0],
+        np.float32(2.0**-134),
+    )  # a subnormal on the grid
+    assert on_scale_grid(scales)
+    return [
+        QuantRecord("a", 4, 128, scales, lv),
+        QuantRecord("b", 3, 512, scales_up_reference(np.array([0.5, 3e-5], np.float32)), peaked(600, 3)),
+        RawRecord("r", np.array([1.5, np.nan], np.float32)),
+    ]
+
+
+def test_scales_on_the_grid_go_as_16_bits_and_come_back_bit_exact() -> None:
+    records = _on_grid_records()
+    half, costs = encode_payload(records)
+    assert half[5] == SCALES_16  # the header's flags
+    for a, b in zip(records, decode_payload(half), strict=True):
+        assert_same(a, b)
+    # One scale off the grid anywhere sends the whole payload's scales as float32: every byte of
+    # the difference is 2 per scale, and the off-grid scale comes back exactly too.
+    off = list(records)
+    off_scales = off[1].scales.copy()  # type: ignore[union-attr]
+    off_scales[1] = np.nextafter(off_scales[1], np.float32(1))
+    off[1] = QuantRecord("b", 3, 512, off_scales, records[1].levels)  # type: ignore[union-attr]
+    full, full_costs = encode_payload(off)
+    assert full[5] == 0
+    assert_same(off[1], decode_payload(full)[1])
+    n_scales = sum(r.scales.size for r in records if isinstance(r, QuantRecord))
+    assert len(full) - len(half) == 2 * n_scales
+    assert [f.encoded_bytes - c.encoded_bytes for f, c in zip(full_costs, costs, strict=True)] == [
+        2 * r.scales.size if isinstance(r, QuantRecord) else 0 for r in records
+    ]
+
+
+def test_version_3_payloads_still_decode_and_unknown_flags_are_codec_errors() -> None:
+    records = [quant("q", peaked(1000, 3), 3), RawRecord("r", np.ones(3, np.float32))]
+    payload, _ = encode_payload(records)
+    assert payload[5] == 0  # random scales: float32
+    v3 = bytearray(payload[:-4])
+    v3[4] = 3
+    for a, b in zip(records, decode_payload(seal(bytes(v3))), strict=True):
+        assert_same(a, b)
+    v3[5] = SCALES_16  # version 3 had no flags
+    for frame, flags in ((bytes(v3), SCALES_16), (payload[:5] + b"\x02" + payload[6:-4], 2)):
+        with pytest.raises(CodecError) as err:
+            decode_payload(seal(frame))
+        assert err.value.field == "flags" and f"{flags:#04x}" in err.value.message
 
 
 def test_max_numel_bounds_the_receiver() -> None:
