@@ -22,8 +22,9 @@ def test_payload_anatomy_counts_every_byte_and_shows_a_quantized_head(tmp_path, 
         assert parts + PAYLOAD_OVERHEAD_BYTES == res["payload_bytes"]
         for r in res["layers"]:
             quantized = r["bits"] <= 8  # 16: a small layer as float16, 32: raw fp32
-            # 4 bytes of scale per bucket of 512, only for quantized layers; tables only in rANS bodies.
-            assert r["scales"] == (4 * -(-r["numel"] // 512) if quantized else 0)
+            # 2 bytes of scale per bucket of 512 (Tail's scales go as u16), only for quantized
+            # layers; tables only in rANS bodies.
+            assert r["scales"] == (2 * -(-r["numel"] // 512) if quantized else 0)
             assert r["tables"] == 0 or r["code"].startswith(("rans", "sparse-rans"))
             assert r["frame"] > len(r["layer"])  # the name is in the layer's framing
             # The order-1 bound: below or at the order-0 one, and present for quantized layers.
