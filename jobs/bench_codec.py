@@ -43,6 +43,7 @@ from tail_ray.bitwidth.quant_error import relative_errors
 from tail_ray.collective.state import linear_in_gradient
 from tail_ray.compression import make_compressor
 from tail_ray.compression.base import Compressor
+from tail_ray.compression.grid import on_scale_grid
 from tail_ray.compression.record_compressor import RecordCompressor
 from tail_ray.compression.records import LayerRecord, QuantRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor
@@ -159,7 +160,7 @@ def _bound_bytes(rec: LayerRecord) -> float:
     except ImportError:  # the placeholder container: compute H0 here
         entropy_bound_bytes = sparse_entropy_bound_bytes = _h0_bytes
     if isinstance(rec, QuantRecord):
-        scales = 4 * rec.scales.size
+        scales = (2 if on_scale_grid(rec.scales) else 4) * rec.scales.size  # as the wire sends them
         return min(entropy_bound_bytes(rec.levels), sparse_entropy_bound_bytes(rec.levels)) + scales
     if isinstance(rec, SparseRecord):
         k = rec.values.size

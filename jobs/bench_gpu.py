@@ -253,6 +253,7 @@ def lowrank_rows(grads: dict[str, torch.Tensor], device: torch.device, repeats: 
     path's fixed-order numba products, one thread), side by side."""
     import numpy as np
 
+    from tail_ray.compression.grid import SCALE_BYTES
     from tail_ray.compression.lowrank import compress_lowrank
     from tail_ray.compression.lowrank_device import compress_lowrank_device
 
@@ -268,7 +269,8 @@ def lowrank_rows(grads: dict[str, torch.Tensor], device: torch.device, repeats: 
             m = g.reshape(-1)
             rec, _, recon = compress_lowrank_device(k, m, *g.shape, warm[k], bits=8, bucket_size=512, seed=1)
             torch.sub(m, recon)
-            sent[k] = rec.p_levels.size + rec.q_levels.size + 4 * (rec.p_scales.size + rec.q_scales.size)
+            n_scales = rec.p_scales.size + rec.q_scales.size
+            sent[k] = rec.p_levels.size + rec.q_levels.size + SCALE_BYTES * n_scales
 
     def on_host() -> None:
         for k, g in mats.items():

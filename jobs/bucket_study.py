@@ -17,7 +17,8 @@ On each x, for every bucket size B and bits b:
   levels   the bytes of the levels as the payload codes them (the project's code table: rANS,
            rANS pairs, sparse, bit-packing, whichever is smallest; tables included), and their
            order-0 entropy bound H0
-  scales   fp32: 4 bytes per bucket (today's wire). fp16: 2 bytes per bucket (scale / layer max,
+  scales   fp32: 4 bytes per bucket (the wire before version 4, whose 16-bit scales cost 2;
+           this study predates them). fp16: 2 bytes per bucket (scale / layer max,
            rounded up to fp16, plus one fp32 layer max; its error is computed with the rounded
            scales: what fp16 scales would cost in error)
 
