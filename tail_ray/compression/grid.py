@@ -2,8 +2,8 @@
 
 A layer quantized at ``bits`` has integer levels in [-L, L], L = 2^(bits-1) - 1, and one
 scale s per bucket (the bucket's max |x|, rounded UP onto the 16-bit scale grid below). Its
-decoded value is, in float32 with every
-operation rounded on its own (IEEE round-to-nearest, no fused multiply-add):
+decoded value is, in float32 with every operation rounded on its own (IEEE round-to-nearest,
+no fused multiply-add):
 
     step  = s * (1 / L)          the bucket's grid step; 1 / L is itself rounded to float32
     value = float32(level) * step

@@ -122,8 +122,6 @@ def _pack_store(sym, first_byte, byte_limit, out_ptr, GROUPS: tl.constexpr, BITS
         tl.store(out_ptr + at + k, byte, mask=(at + k) < byte_limit)
 
 
-# Integer arguments that may be 1 (L at 2 bits, one rank, a bucket of 1) are not specialised:
-# Triton would turn them into constants, with other types than the kernels expect.
 @triton.jit
 def _scale_up(m):
     """A finite max-abs rounded up onto the 16-bit scale grid (kernel_parts.scale_bits_up): in
@@ -132,6 +130,8 @@ def _scale_up(m):
     return ((b + SCALE_LOW_MASK) & SCALE_KEEP_MASK).to(tl.float32, bitcast=True)
 
 
+# Integer arguments that may be 1 (L at 2 bits, one rank, a bucket of 1) are not specialised:
+# Triton would turn them into constants, with other types than the kernels expect.
 @triton.jit
 def _load_fed(g_ptr, e_ptr, offs, mask, USE_E: tl.constexpr):
     """The gradient plus its error-feedback residual (when USE_E), saturated: a huge finite

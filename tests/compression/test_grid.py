@@ -36,6 +36,7 @@ from tail_ray.compression.record_tensors import records_to_flat, sample_flat, sa
 from tail_ray.compression.records import QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.tail import TailCompressor, TailConfig
 from tail_ray.compression.topk import TopKCompressor, TopKConfig
+from tests.compression.scale_edges import edge_max_abs
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
 SUBNORMAL = np.float32(1e-40)
@@ -195,6 +196,30 @@ def test_the_residual_is_exactly_the_input_minus_what_the_receiver_decodes(bits)
     np.testing.assert_array_equal(scales, scales_up_reference(max_abs))
     assert on_scale_grid(scales) and scales[:1].view(np.int32)[0] == MAX_SCALE_BITS and scales[0] < F32_MAX
     assert abs(int(levels[0])) == levels_max(bits)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest", "dither"])
+def test_every_quantizer_rounds_the_scale_up_onto_the_16_bit_grid_at_its_edges(rounding):
+    tops = edge_max_abs()
+    g = np.repeat(tops * np.float32(0.25), 8)
+    g[::8] = -tops  # the max-abs, negative: its sign must not reach the scale
+    want = scales_up_reference(tops)
+    grid_top = np.array([MAX_SCALE_BITS], np.int32).view(np.float32)[0]
+    clamped = tops > grid_top  # float32's max and the values past the grid's largest
+    assert on_scale_grid(want) and clamped.sum() == 2 and np.all(want[clamped] == grid_top)
+    assert np.all(want[~clamped] >= tops[~clamped])
+    normal = (tops >= np.float32(1.2e-38)) & ~clamped  # up by at most 2^-8 of the value
+    assert np.all(want[normal] <= tops[normal] * np.float32(1 + 2.0**-8))
+    levels = np.empty(g.size, np.int8)
+    scales = np.empty(tops.size, np.float32)
+    quantize(g, 4, 8, 1, levels, scales, rounding=rounding)
+    np.testing.assert_array_equal(scales, want)
+    # With error feedback (g + e, e written over): the same scales.
+    e = np.zeros_like(g)
+    levels2 = np.empty(g.size, np.int8)
+    scales2 = np.empty(tops.size, np.float32)
+    quantize_finite(g, e, 4, 8, 1, levels2, scales2)
+    np.testing.assert_array_equal(scales2, want)
 
 
 def test_tiny_and_subnormal_buckets_round_like_any_other():

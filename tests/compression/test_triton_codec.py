@@ -48,6 +48,7 @@ from tail_ray.compression.rounding import ROUNDINGS  # noqa: E402
 from tail_ray.compression.tail import TailCompressor, TailConfig  # noqa: E402
 from tail_ray.compression.wire import decode_payload, encode_payload  # noqa: E402
 from tail_ray.errors import ConfigError  # noqa: E402
+from tests.compression.scale_edges import edge_max_abs  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 
@@ -84,6 +85,23 @@ def test_kernel_constants_are_the_grids() -> None:
     assert K.LANES.value == fixedsum.LANES
     assert np.float32(K.F32_MAX.value) == grid.F32_MAX and K.F32_MAX.value == float(grid.F32_MAX)
     assert K.TINY_SCALE.value == float(grid.TINY_SCALE) and K.TINY_PRESCALE.value == float(grid.TINY_PRESCALE)
+    assert K.SCALE_LOW_MASK.value == grid.SCALE_LOW_MASK and K.MAX_SCALE_BITS.value == grid.MAX_SCALE_BITS
+    assert K.SCALE_KEEP_MASK.value == 0x7FFFFFFF & ~grid.SCALE_LOW_MASK
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest", "dither"])
+def test_scales_round_up_onto_the_16_bit_grid_as_on_the_cpu_at_the_edges(rounding: str) -> None:
+    """Bucket max-abs values at the grid's edges (on it, one ulp either side, float32's max
+    and past the grid's largest value, subnormals): the device's scales are the reference's."""
+    tops = edge_max_abs()
+    g = np.repeat(tops * np.float32(0.25), 8)
+    g[::8] = -tops  # the max-abs, negative: its sign must not reach the scale
+    out = dc.quantize(DeviceFlat(_dev(g)), None, 4, 8, seed=3, rounding=rounding)
+    np.testing.assert_array_equal(out.scales, scales_up_reference(tops))
+    if rounding != "dither":  # (quantize_reference has no dither; test_triton_dither.py has)
+        lv, sc, _ = dc.quantize_reference(g, None, 4, 8, 3, rounding)
+        np.testing.assert_array_equal(out.levels, lv)
+        np.testing.assert_array_equal(sc, out.scales)
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])  # dither: test_triton_dither.py
