@@ -65,7 +65,9 @@ def scales_up_reference(max_abs: np.ndarray) -> np.ndarray:
 def on_scale_grid(scales: np.ndarray) -> bool:
     """Whether every scale is a non-negative float32 that 16 bits carry exactly."""
     bits = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1).view(np.uint32)
-    return bool(np.all((bits & np.uint32(0x80000000 | SCALE_LOW_MASK)) == 0))
+    # One OR over the bits, then one test: every payload's encoder asks (~1 us a layer, where
+    # an elementwise test and np.all took ~3).
+    return bits.size == 0 or int(np.bitwise_or.reduce(bits)) & (0x80000000 | SCALE_LOW_MASK) == 0
 
 
 def levels_max(bits: int) -> int:

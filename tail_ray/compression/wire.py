@@ -212,7 +212,7 @@ def encode_payload(
     # Every record's framing is checked before any time goes into a body.
     scales = [_scales_of(rec) for rec in records]
     # (A payload with no scales leaves the flag off: its bytes are then what version 3 wrote.)
-    half = any(sc.size for sc in scales) and all(on_scale_grid(sc) for sc in scales)
+    half = any(sc.size for sc in scales) and all(on_scale_grid(sc) for sc in scales if sc.size)
     parts = [_HEADER.pack(MAGIC, VERSION, SCALES_16 if half else 0, 0, len(records))]
     crc = zlib.crc32(parts[0])
     costs: list[EncodedLayer] = []
