@@ -29,7 +29,7 @@ from tail_ray.compression.device import DeviceFlat, LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.fixedsum import LANES, add_squares, lanes_total
 from tail_ray.compression.grid import F32_MAX, TINY_PRESCALE, TINY_SCALE, levels_max
-from tail_ray.compression.kernel_parts import scale_bits_up
+from tail_ray.compression.kernel_parts import bucket_scale_bits
 from tail_ray.compression.quantize import is_dither, is_nearest
 
 # The kernels' ``mode``: which rounding's error is summed (an int, so one compiled kernel each).
@@ -103,12 +103,8 @@ def _bucket_error_sums(g, e, use_e, bucket_size, bucket_ids, lmaxes, num, mode):
         else:
             for i in range(xb.size):
                 xb[i] = gb[i]
-        u = xb.view(np.int32)
-        mi = np.int32(0)
-        for i in range(u.size):
-            mi = max(mi, u[i] & np.int32(0x7FFFFFFF))
         add_squares(xb, sq_lanes)
-        box[0] = scale_bits_up(mi)  # the scale the quantizer will send
+        box[0] = bucket_scale_bits(xb)  # the scale the quantizer will send, by its own kernel
         m = fbox[0]
         if m == 0:
             continue
