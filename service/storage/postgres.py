@@ -187,7 +187,12 @@ class _AdvisoryLease(LeaderLease):
     def release(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(psycopg.Error):
-                self._conn.close()  # ending the session frees the lock
+                # Unlock before closing: the server ends a closed session's backend (and frees
+                # its locks) some time after the client has gone, so a replica that tried at
+                # once could find the lock still held. A dead session frees it all the same.
+                self._conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
             self._conn = None
 
     @property

@@ -4,6 +4,8 @@ concurrent writers and readers that never wait for the writer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import threading
 import time
@@ -277,10 +279,12 @@ def test_one_leader_lease_at_a_time_and_a_dead_holder_frees_it(storage_url: str)
     first.release()
     assert second.try_acquire()
     if storage_url.startswith("postgresql"):
-        # The holder's session dies (a replica's process killed): the lock is free again.
+        # The holder's session dies (a replica's process killed): the lock is free again. The
+        # timeout makes the call wait until the backend has gone, locks and all.
         raw_rows(
             storage_url,
-            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks"
+            " WHERE locktype = 'advisory' AND granted",
         )
         assert not second.held
         assert first.try_acquire()
@@ -288,6 +292,38 @@ def test_one_leader_lease_at_a_time_and_a_dead_holder_frees_it(storage_url: str)
     second.release()
     a.close()
     b.close()
+
+
+def test_a_released_lease_is_free_at_once_even_while_the_old_session_lingers(
+    postgres_server: LocalPostgres,
+) -> None:
+    """A replica that steps down hands over at once: the server ends a closed session's
+    backend some time after the client goes (late on a loaded host), so release must unlock
+    first. Here the old backend is frozen (SIGSTOP) as its client closes, and stays alive."""
+    url = postgres_server.create_database()
+    a, b = open_storage(url), open_storage(url)
+    first, second = a.leader_lease(), b.leader_lease()
+    assert first.try_acquire()
+    conn = first._conn
+    assert conn is not None
+    backend_pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    really_close = conn.close
+
+    def close_while_the_backend_is_frozen() -> None:
+        os.kill(backend_pid, signal.SIGSTOP)
+        really_close()
+
+    conn.close = close_while_the_backend_is_frozen  # type: ignore[method-assign]
+    try:
+        first.release()
+        alive = raw_rows(url, "SELECT count(*) FROM pg_stat_activity WHERE pid = ?", (backend_pid,))
+        assert alive == [(1,)]  # the old session is still there...
+        assert second.try_acquire()  # ...and the lease is free all the same
+    finally:
+        os.kill(backend_pid, signal.SIGCONT)
+        second.release()
+        a.close()
+        b.close()
 
 
 def test_two_writers_racing_on_one_job_store_each_record_once(store: Storage, storage_url: str) -> None:
