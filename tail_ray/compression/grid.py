@@ -52,6 +52,7 @@ SCALE_SHIFT = 15
 SCALE_BYTES = 2
 SCALE_LOW_MASK = (1 << SCALE_SHIFT) - 1
 MAX_SCALE_BITS = 0x7F7F8000  # the largest finite float32 on the grid, ~3.3961e38
+MAX_SCALE = np.float32(np.array([MAX_SCALE_BITS], np.int32).view(np.float32)[0])
 
 
 def scales_up_reference(max_abs: np.ndarray) -> np.ndarray:

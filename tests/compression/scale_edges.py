@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tail_ray.compression.grid import F32_MAX, MAX_SCALE_BITS, scales_up_reference
+from tail_ray.compression.grid import F32_MAX, MAX_SCALE, scales_up_reference
 
 
 def edge_max_abs() -> np.ndarray:
@@ -12,7 +12,7 @@ def edge_max_abs() -> np.ndarray:
     max and the grid's largest value, between them, subnormals on and off the grid, zero."""
     on = np.array([1.0, 0.5, 3.0e-3], np.float32)
     on = scales_up_reference(on)  # on the grid already
-    grid_top = np.array([MAX_SCALE_BITS], np.int32).view(np.float32)
+    grid_top = np.array([MAX_SCALE], np.float32)
     return np.concatenate(
         [
             on,

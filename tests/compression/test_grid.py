@@ -21,6 +21,7 @@ from tail_ray.compression.dense_codes import pack_width
 from tail_ray.compression.feedback import ErrorFeedback
 from tail_ray.compression.fixedsum import LANES, sum_squares, sum_squares_reference
 from tail_ray.compression.grid import (
+    MAX_SCALE,
     MAX_SCALE_BITS,
     bucket_steps,
     dequantize_reference,
@@ -204,12 +205,12 @@ def test_every_quantizer_rounds_the_scale_up_onto_the_16_bit_grid_at_its_edges(r
     g = np.repeat(tops * np.float32(0.25), 8)
     g[::8] = -tops  # the max-abs, negative: its sign must not reach the scale
     want = scales_up_reference(tops)
-    grid_top = np.array([MAX_SCALE_BITS], np.int32).view(np.float32)[0]
+    grid_top = MAX_SCALE
     clamped = tops > grid_top  # float32's max and the values past the grid's largest
     assert on_scale_grid(want) and clamped.sum() == 2 and np.all(want[clamped] == grid_top)
     assert np.all(want[~clamped] >= tops[~clamped])
     normal = (tops >= np.float32(1.2e-38)) & ~clamped  # up by at most 2^-8 of the value
-    assert np.all(want[normal] <= tops[normal] * np.float32(1 + 2.0**-8))
+    assert np.all(want[normal] <= tops[normal].astype(np.float64) * (1 + 2.0**-8))  # no float32 overflow
     levels = np.empty(g.size, np.int8)
     scales = np.empty(tops.size, np.float32)
     quantize(g, 4, 8, 1, levels, scales, rounding=rounding)

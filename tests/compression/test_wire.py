@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tail_ray.compression.grid import MAX_SCALE_BITS, on_scale_grid, scales_up_reference
+from tail_ray.compression.grid import MAX_SCALE, on_scale_grid, scales_up_reference
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.wire import (
     PAYLOAD_OVERHEAD_BYTES,
@@ -193,7 +193,7 @@ def _on_grid_records() -> list[LayerRecord]:
     scales = scales_up_reference(RNG.random(-(-lv.size // 128)).astype(np.float32) * 1e-3)
     scales[:3] = (
         0.0,
-        np.array([MAX_SCALE_BITS], np.int32).view(np.float32)[0],
+        MAX_SCALE,
         np.float32(2.0**-134),
     )  # a subnormal on the grid
     assert on_scale_grid(scales)
