@@ -170,7 +170,12 @@ async def drive(
             # times would: all starting at /layers put every job's reads of one route into the
             # same second of each three, and two seconds of none (each result expired between).
             poller(
-                polls[i], job[i], deadline, args.poll_interval_s, spread * i / args.pollers, stats,
+                polls[i],
+                job[i],
+                deadline,
+                args.poll_interval_s,
+                spread * i / args.pollers,
+                stats,
                 first_route=(i // shape.jobs) % 3,
             )
             for i in range(args.pollers)

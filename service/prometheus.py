@@ -89,7 +89,6 @@ class StorageCollector:
                     family.add_metric([job_id, row["layer"]], row[key])
             yield family
 
-
     def _storage_size(self) -> Iterator[Metric]:
         size = self.storage.size()
         records = GaugeMetricFamily(

@@ -366,5 +366,3 @@ def _ray_job(d: Any) -> RayJob:
         start_time_s=d.start_time / 1000.0 if d.start_time else None,
         end_time_s=d.end_time / 1000.0 if d.end_time else None,
     )
-
-

@@ -107,7 +107,6 @@ class EntrypointSpec(BaseModel):
         return str(self.module).rsplit(".", 1)[-1]
 
 
-
 class JobCreate(BaseModel):
     """A declarative training job. Fields mirror ``JobConfig``; see docs/service.md.
 

@@ -283,8 +283,7 @@ def test_one_leader_lease_at_a_time_and_a_dead_holder_frees_it(storage_url: str)
         # timeout makes the call wait until the backend has gone, locks and all.
         raw_rows(
             storage_url,
-            "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks"
-            " WHERE locktype = 'advisory' AND granted",
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks WHERE locktype = 'advisory' AND granted",
         )
         assert not second.held
         assert first.try_acquire()
