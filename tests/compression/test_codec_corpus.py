@@ -9,12 +9,19 @@ Version 4 (16-bit scales, a header flag) changed it from 05d965231f37... to the 
 corpus's random scales are off the 16-bit grid, so its payloads keep float32 scales, and with
 ``wire.VERSION`` patched back to 3 the new encoder gives the old digest exactly (checked when
 the version changed): the version byte is the only byte that moved.
+
+Front-coded names (the NAMES_SHARED flag, issue 15) changed it again: most of the corpus's
+payloads have names with shared prefixes ("dense-2", "dense-big-odd-2"). With every shared
+prefix taken as empty the encoder writes the plain names and gives the digest before
+(DIGEST_PLAIN_NAMES, checked below): the names and the flag are the only bytes that moved.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from tail_ray.compression import wire
 from tail_ray.compression.code_table import candidate_codes, encode_levels
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
 from tail_ray.compression.wire import decode_payload, encode_payload
@@ -29,7 +36,8 @@ from tests.compression.codec_corpus import (
     payload_groups,
 )
 
-EXPECTED_DIGEST = "d83cdd090bb0799167e17409272ccf981bee9e6d77e12952657098295b03b6a3"
+EXPECTED_DIGEST = "26ccae8e8f7bb8eca966469e447c02958e042b8ad5451e4956b63fac3922ce96"
+DIGEST_PLAIN_NAMES = "d83cdd090bb0799167e17409272ccf981bee9e6d77e12952657098295b03b6a3"
 
 
 def _record(spec: Spec) -> LayerRecord:
@@ -55,6 +63,14 @@ def _encode_forced(spec: QuantSpec) -> list[tuple[int, int, bytes]]:
 
 def test_corpus_encodes_to_the_bytes_main_gave() -> None:
     assert corpus_digest(_encode_group, _encode_forced) == EXPECTED_DIGEST
+
+
+def test_with_names_plain_the_corpus_encodes_to_the_bytes_before_names_shared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No shared prefix: the front-coded form is never smaller, so every payload keeps plain names.
+    monkeypatch.setattr(wire, "_shared_prefix", lambda a, b: 0)
+    assert corpus_digest(_encode_group, _encode_forced) == DIGEST_PLAIN_NAMES
 
 
 def test_corpus_decodes_to_what_was_encoded() -> None:

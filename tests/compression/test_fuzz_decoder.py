@@ -23,6 +23,7 @@ from tail_ray.compression.records import LowRankRecord, QuantRecord, RawRecord, 
 from tail_ray.compression.varint import varint
 from tail_ray.compression.wire import (
     MAGIC,
+    NAMES_SHARED,
     SCALES_16,
     VERSION,
     decode_payload,
@@ -73,7 +74,31 @@ def _valid_payloads() -> list[bytes]:
         records[2] = replace(records[2], scales=scales_up_reference(records[2].scales))
         out.append(encode_payload(records)[0])
         assert out[-1][5] == SCALES_16 and out[-2][5] == 0
+    out.append(SHARED_NAMES)
     return out
+
+
+def _shared_names_payload() -> bytes:
+    """Names with common prefixes go front-coded (NAMES_SHARED); the first layer is raw (no
+    scales), so the second layer's name fields are easy to find (_second_name_offsets)."""
+    rng = np.random.default_rng(4)
+    records = [
+        RawRecord("blocks.0.attn.bias", np.array([1.0, np.nan, np.inf], np.float32)),
+        QuantRecord(
+            "blocks.0.attn.weight",
+            3,
+            256,
+            rng.random(2).astype(np.float32),
+            rng.integers(-3, 4, 300).astype(np.int8),
+        ),
+        SparseRecord("blocks.1.attn.weight", 1000, np.arange(3, 1000, 97), np.ones(11, np.float32)),
+    ]
+    payload = encode_payload(records)[0]
+    assert payload[5] == NAMES_SHARED
+    return payload
+
+
+SHARED_NAMES = _shared_names_payload()
 
 
 VALID = _valid_payloads()
@@ -136,9 +161,11 @@ def test_random_bytes(data: bytes) -> None:
 
 
 @FUZZ
-@given(st.binary(max_size=3000), st.integers(0, 3))
-def test_random_bytes_behind_a_valid_header(data: bytes, n_layers: int) -> None:
-    _check(seal(struct.pack("<4sBBHI", MAGIC, VERSION, 0, 0, n_layers) + data))
+@given(
+    st.binary(max_size=3000), st.integers(0, 3), st.sampled_from([0, NAMES_SHARED, SCALES_16 | NAMES_SHARED])
+)
+def test_random_bytes_behind_a_valid_header(data: bytes, n_layers: int, flags: int) -> None:
+    _check(seal(struct.pack("<4sBBHI", MAGIC, VERSION, flags, 0, n_layers) + data))
 
 
 @FUZZ
@@ -180,8 +207,12 @@ def test_truncation(which: int, cut: int) -> None:
 def _varint_offsets(payload: bytes) -> list[tuple[int, int]]:
     """(offset, length) of numel, bucket_size, n_scales, nnz, body_len of the first layer."""
     pos = 12
-    name_len = payload[pos] | payload[pos + 1] << 8
-    pos += 2 + name_len + 4
+    if payload[5] & NAMES_SHARED:  # varint shared (0: the first name), varint name_len (< 128 here)
+        assert payload[pos] == 0 and payload[pos + 1] < 0x80
+        pos += 2 + payload[pos + 1] + 4
+    else:
+        name_len = payload[pos] | payload[pos + 1] << 8
+        pos += 2 + name_len + 4
     out = []
     for _ in range(5):
         start = pos
@@ -198,6 +229,32 @@ def test_edited_length_fields(which: int, field_no: int, value: int) -> None:
     payload = _frame(VALID[which])
     start, length = _varint_offsets(payload)[field_no]
     _check(seal(payload[:start] + varint(value) + payload[start + length :]))
+
+
+def _second_name_offsets(payload: bytes) -> list[tuple[int, int]]:
+    """(offset, length) of the second layer's front-coded name fields (shared, name_len), in
+    SHARED_NAMES: its first layer carries no scales, so its body follows its body_len."""
+    start, length = _varint_offsets(payload)[4]
+    body_len = payload[start]
+    assert length == 1 and body_len == 12  # 3 float32 values
+    pos = start + length + body_len
+    return [(pos, 1), (pos + 1, 1)]
+
+
+@FUZZ
+@given(st.integers(0, 1), st.integers(0, 1 << 40))
+def test_edited_shared_name_fields(field_no: int, value: int) -> None:
+    payload = _frame(SHARED_NAMES)
+    start, length = _second_name_offsets(payload)[field_no]
+    _check(seal(payload[:start] + varint(value) + payload[start + length :]))
+
+
+def test_the_second_name_fields_are_where_the_fuzz_edits_them() -> None:
+    # (shared, name_len) of "blocks.0.attn.weight" after "blocks.0.attn.bias": 14 bytes in common.
+    payload = _frame(SHARED_NAMES)
+    (shared_at, _), (len_at, _) = _second_name_offsets(payload)
+    assert (payload[shared_at], payload[len_at]) == (14, len("weight"))
+    assert payload[len_at + 1 : len_at + 7] == b"weight"
 
 
 @FUZZ

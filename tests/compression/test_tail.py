@@ -11,7 +11,7 @@ from tail_ray.compression.grid import on_scale_grid
 from tail_ray.compression.quantize import levels_max
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord
 from tail_ray.compression.tail_config import DITHER_START_STEPS
-from tail_ray.compression.wire import SCALES_16, decode_payload
+from tail_ray.compression.wire import NAMES_SHARED, SCALES_16, decode_payload
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -45,8 +45,9 @@ def test_roundtrip_any_fresh_instance_decodes_and_stats_are_complete():
     real /= float(grads["fc1.weight"].pow(2).sum())
     assert 0.5 * w.rel_error < real < 2.0 * w.rel_error
     assert sum(s.encoded_bytes for s in comp.last_stats) <= len(payload)
-    # Tail's scales are on the 16-bit grid, so they go as u16 (the header's SCALES_16 flag).
-    assert payload[5] == SCALES_16
+    # Tail's scales are on the 16-bit grid, so they go as u16 (the header's SCALES_16 flag), and
+    # "fc1.weight", "fc1.bias" share their prefix: the names go front-coded (NAMES_SHARED).
+    assert payload[5] == SCALES_16 | NAMES_SHARED
     for rec in decode_payload(payload):
         if isinstance(rec, QuantRecord):
             assert on_scale_grid(rec.scales) and rec.scales.size > 0

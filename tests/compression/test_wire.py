@@ -7,9 +7,12 @@ import math
 import numpy as np
 import pytest
 
+from tail_ray.compression import wire
 from tail_ray.compression.grid import MAX_SCALE, on_scale_grid, scales_up_reference
 from tail_ray.compression.records import LayerRecord, QuantRecord, RawRecord, SparseRecord
+from tail_ray.compression.varint import varint
 from tail_ray.compression.wire import (
+    NAMES_SHARED,
     PAYLOAD_OVERHEAD_BYTES,
     SCALES_16,
     VERSION,
@@ -235,10 +238,62 @@ def test_version_3_payloads_still_decode_and_unknown_flags_are_codec_errors() ->
     for a, b in zip(records, decode_payload(seal(bytes(v3))), strict=True):
         assert_same(a, b)
     v3[5] = SCALES_16  # version 3 had no flags
-    for frame, flags in ((bytes(v3), SCALES_16), (payload[:5] + b"\x02" + payload[6:-4], 2)):
+    for frame, flags in ((bytes(v3), SCALES_16), (payload[:5] + b"\x04" + payload[6:-4], 4)):
         with pytest.raises(CodecError) as err:
             decode_payload(seal(frame))
         assert err.value.field == "flags" and f"{flags:#04x}" in err.value.message
+
+
+def _names_records(names: list[str]) -> list[LayerRecord]:
+    return [RawRecord(name, np.full(3, i, np.float32)) for i, name in enumerate(names)]
+
+
+def test_names_with_common_prefixes_go_front_coded_and_decode_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "aé" / "aè": the shared prefix ends inside the two-byte "é" (c3 a9 / c3 a8).
+    names = ["blocks.0.attn.weight", "blocks.0.attn.bias", "blocks.1.mlp.weight", "head", "aé", "aè", "aè"]
+    records = _names_records(names)
+    decoded, costs, payload = roundtrip(records)
+    assert payload[5] == NAMES_SHARED
+    assert [r.name for r in decoded] == names
+    for a, b in zip(records, decoded, strict=True):
+        assert_same(a, b)
+    assert sum(c.encoded_bytes for c in costs) + PAYLOAD_OVERHEAD_BYTES == len(payload)
+    # The same records with plain names: the difference is the name fields' alone.
+    monkeypatch.setattr(wire, "_shared_prefix", lambda a, b: 0)
+    plain, _ = encode_payload(records)
+    assert plain[5] == 0
+    raw = [n.encode() for n in names]
+    shared = [0, 14, 7, 0, 0, 2, 3]  # bytes in common with the name before
+    front = sum(2 + len(n) - k for n, k in zip(raw, shared, strict=True))  # one-byte varints here
+    assert len(plain) - len(payload) == sum(2 + len(n) for n in raw) - front
+
+
+def test_names_stay_plain_where_front_coding_saves_nothing() -> None:
+    for names in (["only.one.layer.weight"], ["w", "b"], ["fc.weight", "conv.bias"]):
+        decoded, _, payload = roundtrip(_names_records(names))
+        assert payload[5] == 0 and [r.name for r in decoded] == names
+
+
+def test_front_coded_names_that_do_not_add_up_are_codec_errors() -> None:
+    frame = encode_payload(_names_records(["layer.weight", "layer.bias"]))[0][:-4]
+    assert frame[5] == NAMES_SHARED and frame[12:14] == b"\x00\x0c"  # shared 0, name_len 12
+    second = frame.index(b"\x06\x04bias")  # shared 6 ("layer."), name_len 4
+    cases = {
+        "first name shares with nothing": (12, varint(1), "name_shared"),
+        "shares more than the name before": (second, varint(13), "name_shared"),
+        "longer than a name may be": (second + 1, varint(1024), "name_len"),
+        "runs past the payload": (second + 1, varint(500), "name"),
+    }
+    for why, (at, value, field) in cases.items():
+        with pytest.raises(CodecError) as err:
+            decode_payload(seal(frame[:at] + value + frame[at + 1 :]))
+        assert err.value.field == field, why
+    not_utf8 = frame[: second + 2] + b"\xff" + frame[second + 3 :]
+    with pytest.raises(CodecError) as err:
+        decode_payload(seal(not_utf8))
+    assert err.value.field == "name" and err.value.layer == "#1"
 
 
 def test_max_numel_bounds_the_receiver() -> None:
