@@ -50,9 +50,9 @@ class TailConfig:
         sooner when its smoothed gradient norm moved by more than ``norm_drift`` (relative;
         4.0: by 5x). The error estimate is scale-free, so a norm swing alone rarely moves
         the bits: at 2x (1.0, the default before stop 49) 66 of 72 norm-triggered decisions
-        on digits kept them, and digits' deciding cost 3.0-3.2 % of its compress CPU time
-        on average over 20 seeds; at 5x 2.5-2.6 %, every seed under 3 % (docs/engine.md,
-        "Stop 49").
+        on digits kept them, and digits' deciding cost 3.0-3.3 % of its compress CPU time
+        on average (32 of 40 seeds over 3 %); at 5x 2.5-2.6 %, every seed under 3 %, at the
+        same accuracy (docs/engine.md, "Stop 49").
     noise_fraction: tau = noise_fraction * (relative between-worker gradient spread): a
         worker's compression noise at most a quarter of its SGD noise (the gradient noise
         the average sees grows by <= 25 %, like a <= 20 % smaller batch). Measured: 1.0
