@@ -385,6 +385,24 @@ def _train_one(
     )
 
 
+CLOCKS = ("wall", "cpu")
+
+
+def use_clock(clock: str) -> None:
+    """In a worker process: ``cpu`` makes every ``time.perf_counter()`` read the calling
+    thread's CPU time (``time.thread_time``), so every timer the workers keep (compress,
+    deciding, step, comm) counts CPU only, not the time a shared host's scheduler took the
+    thread away. On 2 cores shared by 2 workers a preempted 0.5 ms trial reads 3-4 ms of wall
+    time (docs/engine.md, "Stop 48" and "Stop 49"). Each read is then a system call (~0.4 us
+    here, ~10 a step): a little slower, not by a tenth of a 40-us decision. Nothing the runs
+    decide reads these timers: the benchmark pins ``link_aware`` off (_train_one), the one
+    setting that would (its gate weighs compress time against the link's). ``wall``: as is."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+    if clock == "cpu":
+        time.perf_counter = time.thread_time
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -392,7 +410,9 @@ def _worker(
     out_path: str,
     collective: str | None,
     seed: int = SEED,
+    clock: str = "wall",
 ) -> None:
+    use_clock(clock)
     # Same processes for every run: spawning and importing costs seconds on a busy machine.
     results = []
     for task_name, label, method, config, steps in plan:
@@ -427,6 +447,7 @@ def run(
     world_size: int = WORLD_SIZE,
     collective: str | None = None,
     seed: int = SEED,
+    clock: str = "wall",
 ) -> list[dict[str, Any]]:
     rows = [(label, method, cfg) for label, method, cfg in METHODS if label in methods or method in methods]
     # Extra Tail rows with explicit settings, for studying the controller (not Tail's defaults).
@@ -438,10 +459,12 @@ def run(
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_local_group(_worker, world_size, (plan, str(out), collective, seed), timeout_s=timeout_s)
+        run_local_group(_worker, world_size, (plan, str(out), collective, seed, clock), timeout_s=timeout_s)
         results: list[dict[str, Any]] = json.loads(out.read_text())
         peers = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(1, world_size)]
         _merge_peers(results, peers)
+        for res in results:
+            res["clock"] = clock
         return results
 
 
@@ -485,10 +508,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 if base is not None and r["bytes_sent_per_step_2nd_half"]
                 else "-"
             )
+            # Under --clock cpu a plain all-reduce's comm timer starts in the hook and stops in
+            # its future's callback, on another thread: a difference of two threads' CPU clocks.
+            comm = "-" if r.get("clock") == "cpu" else f"{1000 * r['comm_s_per_step']:.1f}"
             print(
                 f"{r['label']:<12} {shown:>12} {delta:>9} {_fmt_bytes(r['bytes_sent_per_step']):>11} "
                 f"{reduction:>10} {late:>9} {1000 * r['step_s']:>8.1f} "
-                f"{1000 * r['compress_s_per_step']:>8.1f} {1000 * r['comm_s_per_step']:>8.1f} "
+                f"{1000 * r['compress_s_per_step']:>8.1f} {comm:>8} "
                 f"{1000 * r['decode_s_per_step']:>7.1f}"
             )
         for r in rows:
@@ -650,6 +676,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the payload methods' collective (default: their own default, auto)",
     )
     parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="what the workers' timers read: wall time (default), or cpu, each thread's CPU time, "
+        "so the ms columns and the decision share leave out time a busy host preempted",
+    )
+    parser.add_argument(
         "--tail-variant",
         action="append",
         default=[],
@@ -707,7 +740,13 @@ def main(argv: list[str] | None = None) -> None:
             args.world_size,
             args.collective,
             seed,
+            args.clock,
         )
+        if args.clock == "cpu":
+            print(
+                "(--clock cpu: the ms columns and the decision share are the workers' thread CPU "
+                "time; comm is left out, its timer can start and stop on different threads)"
+            )
         for i, variant in enumerate(variants):
             print(f"tail*{i + 1}: tail with {variant}")
         print_table(results)

@@ -1,6 +1,7 @@
 """Smoke run of the convergence benchmark: a few steps, two methods, the JSON it writes."""
 
 import json
+import time
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_bench_convergence_smoke_writes_a_row_per_method(tmp_path, capsys):
     bench_convergence.main([*args, *variant, "--json", str(out), "--plot", str(plot)])
     rows = json.loads(out.read_text())
     assert [r["label"] for r in rows] == ["none", "tail", "tail*1"]
-    assert {r["seed"] for r in rows} == {3}
+    assert {r["seed"] for r in rows} == {3} and {r["clock"] for r in rows} == {"wall"}
     none, tail, model = rows
     assert 0.0 <= none["final"]["val_accuracy"] <= 1.0
     # Tail really compresses; none sends the fp32 gradients (ring model, 2 workers: their size).
@@ -148,3 +149,22 @@ def test_a_bad_tail_variant_is_refused_before_any_run(variant, message, capsys):
     with pytest.raises(SystemExit):
         bench_convergence.main(["--tasks", "digits", "--methods", "none", "--tail-variant", variant])
     assert message in capsys.readouterr().err
+
+
+def test_the_cpu_clock_leaves_out_the_time_a_thread_is_not_running(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", time.perf_counter)  # put back after the test
+    bench_convergence.use_clock("wall")
+    start = time.perf_counter()
+    time.sleep(0.2)
+    assert time.perf_counter() - start >= 0.2
+    bench_convergence.use_clock("cpu")
+    start = time.perf_counter()
+    time.sleep(0.2)  # asleep: no CPU time
+    assert time.perf_counter() - start < 0.05
+    spin_until = time.monotonic() + 0.1
+    start = time.perf_counter()
+    while time.monotonic() < spin_until:  # busy: CPU time advances
+        pass
+    assert time.perf_counter() - start > 0.02
+    with pytest.raises(ValueError, match="clock must be one of"):
+        bench_convergence.use_clock("gpu")
