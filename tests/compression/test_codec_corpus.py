@@ -70,6 +70,8 @@ def test_with_names_plain_the_corpus_encodes_to_the_bytes_before_names_shared(
 ) -> None:
     # No shared prefix: the front-coded form is never smaller, so every payload keeps plain names.
     monkeypatch.setattr(wire, "_shared_prefix", lambda a, b: 0)
+    # Uncached, so the names are coded again under the patch, not looked up.
+    monkeypatch.setattr(wire, "_name_fields", wire._name_fields.__wrapped__)
     assert corpus_digest(_encode_group, _encode_forced) == DIGEST_PLAIN_NAMES
 
 

@@ -262,6 +262,8 @@ def test_names_with_common_prefixes_go_front_coded_and_decode_exactly(
     assert sum(c.encoded_bytes for c in costs) + PAYLOAD_OVERHEAD_BYTES == len(payload)
     # The same records with plain names: the difference is the name fields' alone.
     monkeypatch.setattr(wire, "_shared_prefix", lambda a, b: 0)
+    # Uncached, so the names are coded again under the patch, not looked up.
+    monkeypatch.setattr(wire, "_name_fields", wire._name_fields.__wrapped__)
     plain, _ = encode_payload(records)
     assert plain[5] == 0
     raw = [n.encode() for n in names]
