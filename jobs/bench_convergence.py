@@ -390,9 +390,10 @@ CLOCKS = ("wall", "cpu")
 
 def use_clock(clock: str) -> None:
     """In a worker process: ``cpu`` makes every ``time.perf_counter()`` read the calling
-    thread's CPU time (``time.thread_time``), so every timer the workers keep (compress,
-    deciding, step, comm) counts CPU only, not the time a shared host's scheduler took the
-    thread away. On 2 cores shared by 2 workers a preempted 0.5 ms trial reads 3-4 ms of wall
+    thread's CPU time (``time.thread_time``), so the workers' compress, deciding and step
+    timers count CPU only, not the time a shared host's scheduler took the thread away (comm
+    too, but its timer can start and stop on different threads: print_table leaves it out).
+    On 2 cores shared by 2 workers a preempted 0.5 ms trial reads 3-4 ms of wall
     time (docs/engine.md, "Stop 48" and "Stop 49"). Each read is then a system call (~0.4 us
     here, ~10 a step): a little slower, not by a tenth of a 40-us decision. Nothing the runs
     decide reads these timers: the benchmark pins ``link_aware`` off (_train_one), the one
