@@ -28,6 +28,7 @@ from tail_ray.bitwidth.allocate import LayerCurve, ModelAllocator, pick_bits
 from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES, choose_bucket
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors, warm_estimates
+from tail_ray.bitwidth.row_buckets import has_zero_row, row_bucket, row_length
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.rounding import kernel_rounding
@@ -78,6 +79,7 @@ class BitController:
         rounding: str = "stochastic",
         bucket_choice: str = "fixed",
         reallocate_every_steps: int | None = None,  # None: REALLOCATE_EVERY_STEPS
+        row_buckets: bool = True,
     ) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
@@ -87,6 +89,10 @@ class BitController:
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
             raise ConfigError('bucket_choice "auto" needs allocation "layer", not "model"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
+        # Dithered layers with an all-zero row: buckets on row edges (row_buckets.py). The
+        # compressor fills ``shapes`` (name -> parameter shape) as layers arrive.
+        self.row_buckets = row_buckets
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.policy = policy
         # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error
         # model follows it. Checked here, not at the first estimate.
@@ -170,6 +176,8 @@ class BitController:
             )
             if self.bucket_choice == "auto" and isinstance(g, np.ndarray):
                 plan = self._bucket_plan(plan, g, residual)
+            elif self.row_buckets and self.rounding == "dither" and isinstance(g, np.ndarray):
+                plan = self._row_plan(name, plan, g)
             self.plans[name] = plan
             if self.allocation == "model":
                 self._keep_curve(LayerCurve(name, g.size, tau, tuple(values)))
@@ -213,6 +221,17 @@ class BitController:
             return plan
         return replace(plan, bits=pick.bits, rel_error=pick.rel_error, bucket_size=pick.bucket_size)
 
+    def _row_plan(self, name: str, plan: LayerPlan, g: np.ndarray) -> LayerPlan:
+        """The plan with buckets cut on row edges where the layer has an all-zero row now, so
+        such rows decode to exactly zero (row_buckets.py). Its error estimate stays the base
+        bucket's: a smaller bucket's max is no larger, so no more error than estimated. The
+        Triton path (device arrays) keeps the base bucket."""
+        row_len = row_length(self.shapes.get(name))
+        bucket = row_bucket(row_len, self.bucket_size)
+        if bucket is None or row_len is None or not has_zero_row(g, row_len):
+            return plan
+        return replace(plan, bucket_size=bucket)
+
     def _allocated_plan(self, name: str, plan: LayerPlan, step: int) -> LayerPlan:
         """The layer's plan with the bits of the current whole-model allocation (another
         layer's new estimate may have moved them since this layer's own decision).
@@ -245,6 +264,7 @@ class BitController:
         """One bucket size for every layer from now on (the sharded exchanges cut layers at
         its multiples): plans restored or decided at another bucket decide again."""
         self.bucket_choice = "fixed"
+        self.row_buckets = False
         for name in [n for n, p in self.plans.items() if p.bucket_size != self.bucket_size]:
             self.invalidate(name)
 

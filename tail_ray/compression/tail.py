@@ -81,6 +81,7 @@ class TailCompressor(RecordCompressor):
             tau_max=self.config.tau_max,
             rounding=self.config.rounding,
             bucket_choice=self.config.bucket_choice,
+            row_buckets=self.config.row_buckets,
         )
         # Each layer counts its own calls: the hook compresses a subset of layers per call
         # (one DDP bucket), every layer once per compressed step, so a layer's count is the
@@ -108,7 +109,7 @@ class TailCompressor(RecordCompressor):
                 seed=self._seed,
                 target=self.config.lowrank_target_for(),
             )
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._shapes = self.controller.shapes  # one dict: low-rank and the row buckets read it
 
     @property
     def step(self) -> int:
@@ -125,9 +126,8 @@ class TailCompressor(RecordCompressor):
         self._measured.clear()  # a new step of these layers: measurements start afresh
         for name in grads:  # every layer counts, raw ones too
             self._layer_steps[name] = self._layer_steps.get(name, 0) + 1
-        if self.lowrank is not None:
-            for name, t in grads.items():
-                self._shapes[name] = tuple(t.shape)
+        for name, t in grads.items():  # matrix shapes: low-rank's, and the controller's row buckets
+            self._shapes[name] = tuple(t.shape)
 
     def compress(self, grads: Mapping[str, torch.Tensor]) -> bytes:
         payload = super().compress(grads)

@@ -35,6 +35,10 @@ class TailConfig:
     bucket_choice: "fixed" (every layer at bucket_size) or "auto" (per layer the cheapest
         bucket at no more estimated error: bitwidth/bucket_choice.py; docs/engine.md, "Bucket
         size per layer").
+    row_buckets: under dither, a matrix layer with an all-zero row (an embedding's absent
+        tokens, a dead unit) has its buckets cut on row edges, so those rows decode to exactly
+        zero instead of +-half a step of noise that Adam would turn into full-size steps
+        (bitwidth/row_buckets.py; docs/engine.md, "Stop 50"). Off only for ablations.
     raw_below_numel: layers smaller than this (biases, norms) skip the controller, low-rank
         and the SGD-noise reading: too few elements to sample from. 1024 since issue 15's
         default change (was 4096: digits' 1,280-element fc2 went raw, 17 % of its payload;
@@ -158,6 +162,7 @@ class TailConfig:
     dither_start_steps: int = DITHER_START_STEPS
     dither_start_bits: int = DITHER_START_BITS
     bucket_choice: str = "fixed"
+    row_buckets: bool = True
     seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -242,7 +247,10 @@ class TailConfig:
         object.__setattr__(self, "lowrank_ranks", self.lowrank_settings().ranks)
 
     def _check_dither_start(self) -> None:
-        """ConfigError unless dither_start_steps is an integer >= 0 and dither_start_bits one in 2..8."""
+        """ConfigError unless dither_start_steps is an integer >= 0, dither_start_bits one in
+        2..8 and row_buckets (the other dither-only setting) a bool."""
+        if not isinstance(self.row_buckets, bool):
+            raise ConfigError(f"row_buckets must be true or false, got {self.row_buckets!r}")
         start = self.dither_start_steps
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ConfigError(f"dither_start_steps must be an integer >= 0, got {start!r}")
