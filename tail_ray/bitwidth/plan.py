@@ -305,6 +305,15 @@ class BitController:
             "tau_max": self.tau_max,
         }
 
+    def _restored_bucket(self, saved: int) -> int:
+        """A checkpoint's bucket for a plan: kept under bucket_choice "auto", and a row bucket
+        (smaller than the base, under dither) while row buckets are on, so a resumed run sends
+        what it would have; otherwise (and for older checkpoints, which have none) the base."""
+        if self.bucket_choice == "auto":
+            return saved
+        row = self.row_buckets and self.rounding == "dither" and saved < self.bucket_size
+        return saved if row else self.bucket_size
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.plans = {
             str(name): LayerPlan(
@@ -313,10 +322,7 @@ class BitController:
                 tau=float(p["tau"]),
                 decided_step=int(p["decided_step"]),
                 norm=float(p["norm"]),
-                # Older checkpoints (and bucket_choice "fixed") use the configured bucket.
-                bucket_size=int(p.get("bucket_size", self.bucket_size))
-                if self.bucket_choice == "auto"
-                else self.bucket_size,
+                bucket_size=self._restored_bucket(int(p.get("bucket_size", self.bucket_size))),
             )
             for name, p in dict(state["plans"]).items()
             if int(p["bits"]) in self.candidate_bits

@@ -148,3 +148,20 @@ def test_adam_leaves_the_rows_of_tokens_never_seen_where_they_were(row_buckets):
         assert not moved[never].any()
     else:
         assert moved[never].all()
+
+
+@pytest.mark.parametrize("row_buckets", [True, False])
+def test_a_resumed_run_sends_what_the_uninterrupted_one_does(row_buckets):
+    """The plan's row bucket is in the checkpoint and comes back, where the base bucket used to
+    replace every restored one under bucket_choice "fixed"."""
+    rng = np.random.default_rng(4)
+    batches = [{"embed.weight": _embedding_grad(rng, np.arange(0, VOCAB, 4))} for _ in range(10)]
+    settings = TailConfig(seed=7, row_buckets=row_buckets)
+    going = TailCompressor(settings)
+    for grads in batches[:6]:
+        going.compress(grads)
+    resumed = TailCompressor(settings)
+    resumed.load_state_dict(going.state_dict())
+    assert resumed.controller.plans["embed.weight"].bucket_size == (WIDTH if row_buckets else 512)
+    for grads in batches[6:]:
+        assert resumed.compress(grads) == going.compress(grads)
