@@ -28,7 +28,7 @@ from tail_ray.bitwidth.allocate import LayerCurve, ModelAllocator, pick_bits
 from tail_ray.bitwidth.bucket_choice import BUCKET_CHOICES, choose_bucket
 from tail_ray.bitwidth.policy import BudgetPolicy
 from tail_ray.bitwidth.quant_error import relative_errors, warm_estimates
-from tail_ray.bitwidth.row_buckets import has_zero_row, row_bucket, row_length
+from tail_ray.bitwidth.row_buckets import MIN_ZERO_ROW_SHARE, row_bucket, row_length, zero_row_share
 from tail_ray.compression.device import LayerArray
 from tail_ray.compression.feedback import Residual
 from tail_ray.compression.rounding import kernel_rounding
@@ -222,13 +222,13 @@ class BitController:
         return replace(plan, bits=pick.bits, rel_error=pick.rel_error, bucket_size=pick.bucket_size)
 
     def _row_plan(self, name: str, plan: LayerPlan, g: np.ndarray) -> LayerPlan:
-        """The plan with buckets cut on row edges where the layer has an all-zero row now, so
-        such rows decode to exactly zero (row_buckets.py). Its error estimate stays the base
+        """The plan with buckets cut on row edges where enough of the layer's rows are all zero
+        now, so such rows decode to exactly zero (row_buckets.py). Its error estimate stays the base
         bucket's: a smaller bucket's max is no larger, so no more error than estimated. The
         Triton path (device arrays) keeps the base bucket."""
         row_len = row_length(self.shapes.get(name))
         bucket = row_bucket(row_len, self.bucket_size)
-        if bucket is None or row_len is None or not has_zero_row(g, row_len):
+        if bucket is None or row_len is None or zero_row_share(g, row_len) < MIN_ZERO_ROW_SHARE:
             return plan
         return replace(plan, bucket_size=bucket)
 

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from tail_ray import ConfigError, TailCompressor, TailConfig
-from tail_ray.bitwidth.row_buckets import MIN_ROW_BUCKET, has_zero_row, row_bucket, row_length
+from tail_ray.bitwidth.row_buckets import (
+    MIN_ROW_BUCKET,
+    MIN_ZERO_ROW_SHARE,
+    row_bucket,
+    row_length,
+    zero_row_share,
+)
 from tail_ray.compression.tail_config import DITHER_START_STEPS
 from tail_ray.compression.wire import decode_payload
 
@@ -35,12 +41,13 @@ def test_the_bucket_is_the_largest_divisor_of_the_row_within_the_base(shape, buc
         assert row_length(shape) % expected == 0 and MIN_ROW_BUCKET <= expected <= bucket
 
 
-def test_zero_rows_are_found_whatever_their_sign():
+def test_zero_rows_are_counted_whatever_their_sign():
     g = np.ones((4, 8), np.float32)
-    assert not has_zero_row(g.ravel(), 8)
+    assert zero_row_share(g.ravel(), 8) == 0.0
     g[2] = -0.0
-    assert has_zero_row(g.ravel(), 8)
-    assert not has_zero_row(g.ravel(), 7)  # not a whole number of rows: no rows to speak of
+    g[3, :7] = 0.0  # one element left: not a zero row
+    assert zero_row_share(g.ravel(), 8) == 0.25
+    assert zero_row_share(g.ravel(), 7) == 0.0  # not a whole number of rows: no rows to speak of
 
 
 def _embedding_grad(rng: np.random.Generator, present: np.ndarray) -> torch.Tensor:
@@ -89,6 +96,23 @@ def test_dense_layers_and_nearest_rounding_keep_the_base_bucket():
     }
     nearest = TailCompressor(TailConfig(seed=1, rounding="nearest"))  # a zero decodes as zero there
     assert {r.bucket_size for r in decode_payload(nearest.compress(sparse))} == {512}
+
+
+def test_a_dense_layer_with_a_few_dead_units_keeps_the_base_bucket():
+    """A few zero rows (dead ReLU units) do not cut the whole layer's buckets: at the same bits
+    a smaller bucket codes more bytes. A share at the threshold does."""
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((512, WIDTH)).astype(np.float32)
+    g[:7] = 0.0  # 7 dead units of 512, as in the char LM's second block
+    comp = TailCompressor(TailConfig(seed=1))
+    assert {r.bucket_size for r in decode_payload(comp.compress({"fc1.weight": torch.from_numpy(g)}))} == {
+        512
+    }
+    g[: int(MIN_ZERO_ROW_SHARE * 512)] = 0.0
+    comp = TailCompressor(TailConfig(seed=1))
+    assert {r.bucket_size for r in decode_payload(comp.compress({"fc1.weight": torch.from_numpy(g)}))} == {
+        WIDTH
+    }
 
 
 def test_sharded_exchanges_keep_one_bucket():
