@@ -24,6 +24,9 @@ MIN_ROW_BUCKET = 64
 # Row buckets where at least this share of a layer's rows is zero: an embedding's absent
 # tokens (the char LM: 75-80 % of its rows in a batch), not a dense layer's dead units.
 MIN_ZERO_ROW_SHARE = 0.125
+SAMPLE_ROWS = 32  # rows read to judge the share (zero_row_share)
+_PREFIX = 8  # elements of a row read before the whole row
+_GOLDEN = np.uint64(0x9E3779B1)  # 2^32 / golden ratio: consecutive multiples spread over any range
 
 
 def row_length(shape: tuple[int, ...] | None) -> int | None:
@@ -48,8 +51,23 @@ def row_bucket(row_len: int | None, bucket_size: int) -> int | None:
 
 
 def zero_row_share(g: np.ndarray, row_len: int) -> float:
-    """The share of the flat gradient ``g``'s rows that are all zeros (-0.0 counts as zero);
-    0 where ``g`` is not a whole number of rows."""
+    """The share of the flat gradient ``g``'s rows that are all zeros (-0.0 counts as zero),
+    read on at most SAMPLE_ROWS rows picked by Fibonacci hashing of their index (the same rows
+    on every CPU and run, and no period for a layout to line up with, as a plain stride has:
+    every 8th token of an embedding may well be the 8th of a pattern); 0 where ``g`` is not a
+    whole number of rows.
+
+    It runs at every decision of every matrix whose rows the base bucket straddles. Reading
+    the whole layer cost the char LM ~17 us a step of deciding (+0.46 points of its share of
+    compress time); the threshold it is held to (MIN_ZERO_ROW_SHARE) is far from both kinds
+    of layer it separates, so a sample tells them apart. A row's first elements are read
+    first: a row with a gradient almost always has one there, so only the rest are read in full."""
     if g.size % row_len or g.size == 0:
         return 0.0
-    return float(np.count_nonzero(~g.reshape(-1, row_len).any(axis=1))) * row_len / g.size
+    rows = g.reshape(-1, row_len)
+    if rows.shape[0] > SAMPLE_ROWS:
+        rows = rows[(np.arange(SAMPLE_ROWS, dtype=np.uint64) * _GOLDEN) % np.uint64(rows.shape[0])]
+    maybe_zero = ~rows[:, :_PREFIX].any(axis=1)
+    if not maybe_zero.any():
+        return 0.0
+    return float(np.count_nonzero(~rows[maybe_zero].any(axis=1))) / rows.shape[0]

@@ -50,6 +50,15 @@ def test_zero_rows_are_counted_whatever_their_sign():
     assert zero_row_share(g.ravel(), 7) == 0.0  # not a whole number of rows: no rows to speak of
 
 
+@pytest.mark.parametrize("period", [2, 4, 8, 16])
+def test_the_sampled_rows_do_not_line_up_with_a_periodic_layout(period):
+    """Every ``period``-th token present: a plain stride over 256 rows would read only those
+    (or none of them); the hashed sample reads the share as it is."""
+    g = np.zeros((VOCAB, WIDTH), np.float32)
+    g[::period] = 1.0
+    assert abs(zero_row_share(g.ravel(), WIDTH) - (1 - 1 / period)) <= 0.1
+
+
 def _embedding_grad(rng: np.random.Generator, present: np.ndarray) -> torch.Tensor:
     """An embedding's gradient: rows of the tokens in the batch, zero elsewhere."""
     g = np.zeros((VOCAB, WIDTH), np.float32)
@@ -100,7 +109,8 @@ def test_dense_layers_and_nearest_rounding_keep_the_base_bucket():
 
 def test_a_dense_layer_with_a_few_dead_units_keeps_the_base_bucket():
     """A few zero rows (dead ReLU units) do not cut the whole layer's buckets: at the same bits
-    a smaller bucket codes more bytes. A share at the threshold does."""
+    a smaller bucket codes more bytes. Twice the threshold's share does (the rows are counted
+    on a sample of them, so not the threshold itself)."""
     rng = np.random.default_rng(3)
     g = rng.standard_normal((512, WIDTH)).astype(np.float32)
     g[:7] = 0.0  # 7 dead units of 512, as in the char LM's second block
@@ -108,7 +118,7 @@ def test_a_dense_layer_with_a_few_dead_units_keeps_the_base_bucket():
     assert {r.bucket_size for r in decode_payload(comp.compress({"fc1.weight": torch.from_numpy(g)}))} == {
         512
     }
-    g[: int(MIN_ZERO_ROW_SHARE * 512)] = 0.0
+    g[: int(2 * MIN_ZERO_ROW_SHARE * 512)] = 0.0
     comp = TailCompressor(TailConfig(seed=1))
     assert {r.bucket_size for r in decode_payload(comp.compress({"fc1.weight": torch.from_numpy(g)}))} == {
         WIDTH
@@ -189,3 +199,22 @@ def test_a_resumed_run_sends_what_the_uninterrupted_one_does(row_buckets):
     assert resumed.controller.plans["embed.weight"].bucket_size == (WIDTH if row_buckets else 512)
     for grads in batches[6:]:
         assert resumed.compress(grads) == going.compress(grads)
+
+
+def test_the_rows_are_recounted_once_a_window():
+    """A layer's rows are counted at its first decision in each window of
+    ROW_CHECK_EVERY_STEPS steps; decisions in between keep the window's verdict."""
+    from tail_ray.bitwidth.plan import ROW_CHECK_EVERY_STEPS
+
+    rng = np.random.default_rng(5)
+    comp = TailCompressor(TailConfig(seed=2))
+    sparse = {"embed.weight": _embedding_grad(rng, np.arange(0, VOCAB, 4))}
+    dense = {"embed.weight": torch.from_numpy(rng.standard_normal((VOCAB, WIDTH)).astype(np.float32))}
+    buckets = []
+    for step in range(ROW_CHECK_EVERY_STEPS + 30):
+        grads = sparse if step < ROW_CHECK_EVERY_STEPS // 2 else dense
+        buckets.append({r.bucket_size for r in decode_payload(comp.compress(grads))})
+    window = ROW_CHECK_EVERY_STEPS
+    assert all(b == {WIDTH} for b in buckets[:window])  # dense from the middle, the verdict holds
+    assert buckets[-1] == {512}  # recounted at the first decision of the next window
+    assert comp.controller.plans["embed.weight"].decided_step >= window
