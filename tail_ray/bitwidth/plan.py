@@ -90,8 +90,8 @@ class BitController:
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
             raise ConfigError('bucket_choice "auto" needs allocation "layer", not "model"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
-        # Dithered layers with an all-zero row: buckets on row edges (row_buckets.py). The
-        # compressor fills ``shapes`` (name -> parameter shape) as layers arrive.
+        # Dithered matrices with an eighth or more of their rows zero: buckets on row edges
+        # (row_buckets.py). The compressor fills ``shapes`` (name -> shape) as layers arrive.
         self.row_buckets = row_buckets
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.policy = policy

@@ -57,11 +57,11 @@ def zero_row_share(g: np.ndarray, row_len: int) -> float:
     every 8th token of an embedding may well be the 8th of a pattern); 0 where ``g`` is not a
     whole number of rows.
 
-    It runs at every decision of every matrix whose rows the base bucket straddles. Reading
-    the whole layer cost the char LM ~17 us a step of deciding (+0.46 points of its share of
-    compress time); the threshold it is held to (MIN_ZERO_ROW_SHARE) is far from both kinds
-    of layer it separates, so a sample tells them apart. A row's first elements are read
-    first: a row with a gradient almost always has one there, so only the rest are read in full."""
+    Reading the whole layer at every decision cost the char LM ~17 us a step of deciding
+    (+0.46 points of its share of compress time); the threshold it is held to
+    (MIN_ZERO_ROW_SHARE) is far from both kinds of layer it separates, so a sample tells them
+    apart. A row's first elements are read first: a row with a gradient almost always has one
+    there, so only the rest are read in full."""
     if g.size % row_len or g.size == 0:
         return 0.0
     rows = g.reshape(-1, row_len)

@@ -35,10 +35,11 @@ class TailConfig:
     bucket_choice: "fixed" (every layer at bucket_size) or "auto" (per layer the cheapest
         bucket at no more estimated error: bitwidth/bucket_choice.py; docs/engine.md, "Bucket
         size per layer").
-    row_buckets: under dither, a matrix layer with an all-zero row (an embedding's absent
-        tokens, a dead unit) has its buckets cut on row edges, so those rows decode to exactly
-        zero instead of +-half a step of noise that Adam would turn into full-size steps
-        (bitwidth/row_buckets.py; docs/engine.md, "Stop 50"). Off only for ablations.
+    row_buckets: under dither, a matrix layer with an eighth or more of its rows all zero
+        (an embedding's absent tokens; not a dense layer's few dead units) has its buckets cut
+        on row edges, so those rows decode to exactly zero instead of +-half a step of noise
+        that Adam would turn into full-size steps (bitwidth/row_buckets.py; docs/engine.md,
+        "Stop 50"). Off only for ablations.
     raw_below_numel: layers smaller than this (biases, norms) skip the controller, low-rank
         and the SGD-noise reading: too few elements to sample from. 1024 since issue 15's
         default change (was 4096: digits' 1,280-element fc2 went raw, 17 % of its payload;
