@@ -15,9 +15,9 @@ its rows some noise. Nearest rounding decodes a zero as zero and needs none of t
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from tail_ray.compression.lowrank import matrix_shape
 
 # Below this many elements a bucket's 2-byte scale costs over a quarter of a bit per element.
 MIN_ROW_BUCKET = 64
@@ -30,12 +30,13 @@ _GOLDEN = np.uint64(0x9E3779B1)  # 2^32 / golden ratio: consecutive multiples sp
 
 
 def row_length(shape: tuple[int, ...] | None) -> int | None:
-    """Elements per row of a parameter of ``shape``: everything after its first dimension
-    (an embedding's width, a linear layer's inputs, a conv filter's in x kh x kw); None for
-    vectors and scalars."""
-    if shape is None or len(shape) < 2 or shape[0] < 2:
+    """Elements per row of a parameter of ``shape`` seen as low-rank sees it as a matrix
+    (``matrix_shape``: an embedding's width, a linear layer's inputs, a conv filter's
+    in x kh x kw); None for vectors, scalars and one-row matrices."""
+    matrix = matrix_shape(shape) if shape is not None else None
+    if matrix is None or matrix[0] < 2 or matrix[1] == 0:
         return None
-    return math.prod(shape[1:]) or None
+    return matrix[1]
 
 
 def row_bucket(row_len: int | None, bucket_size: int) -> int | None:
