@@ -90,14 +90,14 @@ class BitController:
             # The allocation moves bits after the bucket was chosen for them: the error would not hold.
             raise ConfigError('bucket_choice "auto" needs allocation "layer", not "model"')
         self.bucket_choice = bucket_choice  # "fixed" for sharded exchanges (slices align to one bucket)
-        # Dithered matrices with an eighth or more of their rows zero: buckets on row edges
-        # (row_buckets.py). The compressor fills ``shapes`` (name -> shape) as layers arrive.
-        self.row_buckets = row_buckets
-        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # name -> shape, filled by the compressor
         self.policy = policy
         # The quantizer's kernel rounding (a ROUNDING_MODES setting, resolved once): the error
         # model follows it. Checked here, not at the first estimate.
         self.rounding = kernel_rounding(rounding)
+        # Dithered matrices with an eighth or more of their rows zero: buckets on row edges
+        # (row_buckets.py). Nearest and stochastic rounding decode a zero as zero: never.
+        self.row_buckets = row_buckets and self.rounding == "dither"
         self.allocation = allocation
         self.layer_cap = layer_cap
         self.tau_max = tau_max
@@ -177,7 +177,7 @@ class BitController:
             )
             if self.bucket_choice == "auto" and isinstance(g, np.ndarray):
                 plan = self._bucket_plan(plan, g, residual)
-            elif self.row_buckets and self.rounding == "dither" and isinstance(g, np.ndarray):
+            elif self.row_buckets and isinstance(g, np.ndarray):
                 plan = self._row_plan(name, plan, g)
             self.plans[name] = plan
             if self.allocation == "model":
@@ -324,8 +324,7 @@ class BitController:
         what it would have; otherwise (and for older checkpoints, which have none) the base."""
         if self.bucket_choice == "auto":
             return saved
-        row = self.row_buckets and self.rounding == "dither" and saved < self.bucket_size
-        return saved if row else self.bucket_size
+        return saved if self.row_buckets and saved < self.bucket_size else self.bucket_size
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.plans = {
